@@ -1,0 +1,28 @@
+# The two commands a new user needs: `make run` (the embedded default) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test unit integration clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install.sh
+	bash scripts/install.sh $(VENV) $(PYTHON)
+	touch $(STAMP)
+
+run: install
+	$(PY) -m serve_app.cli run --config configs/local.yaml
+
+test: install
+	$(PY) -m pytest tests
+
+unit: install
+	$(PY) -m pytest tests/unit
+
+integration: install
+	$(PY) -m pytest tests/integration
+
+clean:
+	rm -rf $(VENV) .local .pytest_cache

@@ -1,0 +1,71 @@
+"""``build_app(args)``: the only module that wires the gateway and the engines together.
+
+Ray Serve config files point their ``import_path`` here; ``args`` is validated by ``AppConfig``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import ValidationError
+from ray.serve import Application
+
+from serve_app.config import AppConfig, ModelConfig, format_validation_error
+from serve_app.engine.deployment import ModelServer
+from serve_app.engine.placement import actor_options, placement_bundles, placement_strategy
+from serve_app.gateway.deployment import Gateway
+
+GATEWAY_DEPLOYMENT = "gateway"
+STREAM_INTERVAL_S = 0.02
+
+
+def deployment_name(model_id: str) -> str:
+    return "model-" + re.sub(r"[^A-Za-z0-9_-]", "-", model_id)
+
+
+def parse_args(args: dict[str, Any] | AppConfig) -> AppConfig:
+    if isinstance(args, AppConfig):
+        return args
+    try:
+        return AppConfig.model_validate(args)
+    except ValidationError as exc:
+        # A plain ValueError with one line per problem reads well in `serve deploy` output.
+        raise ValueError("invalid app config:\n" + format_validation_error(exc)) from None
+
+
+def model_deployment_options(m: ModelConfig) -> dict[str, Any]:
+    d = m.deployment
+    opts: dict[str, Any] = {
+        "name": deployment_name(m.id),
+        "max_ongoing_requests": d.max_ongoing_requests,
+        "max_queued_requests": d.max_queued_requests,
+        "health_check_period_s": d.health_check_period_s,
+        "health_check_timeout_s": d.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s,
+        "ray_actor_options": actor_options(m),
+        "placement_group_bundles": placement_bundles(m),
+        "placement_group_strategy": placement_strategy(m),
+    }
+    if d.autoscaling_config is not None:
+        opts["autoscaling_config"] = d.autoscaling_config.model_dump(exclude_none=True)
+    else:
+        opts["num_replicas"] = d.num_replicas or 1
+    return opts
+
+
+def build_app(args: dict[str, Any] | AppConfig) -> Application:
+    cfg = parse_args(args)
+    handles = {
+        m.id: ModelServer.options(**model_deployment_options(m)).bind(
+            m.model_dump(mode="json"), cfg.cache_dir, STREAM_INTERVAL_S
+        )
+        for m in cfg.models
+    }
+    g = cfg.gateway
+    return Gateway.options(
+        name=GATEWAY_DEPLOYMENT,
+        num_replicas=g.num_replicas,
+        max_ongoing_requests=g.max_ongoing_requests,
+        ray_actor_options={"num_cpus": g.num_cpus},
+    ).bind(cfg.model_dump(mode="json"), handles)

@@ -1,0 +1,283 @@
+"""Console entry point ``serve-app``: run the embedded default, manage keys, build the tiny model,
+check config files and diagnose a running deployment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_CONFIG = "configs/local.yaml"
+DEMO_KEY_ID = "local-demo"
+APP_NAME = "llm"
+
+
+def _say(msg: str) -> None:
+    print(f"[serve-app] {msg}", flush=True)
+
+
+def _serve_doc(path: str) -> dict[str, Any]:
+    doc = yaml.safe_load(Path(path).read_text())
+    if not isinstance(doc, dict) or not doc.get("applications"):
+        raise SystemExit(f"{path}: not a Ray Serve config file (no 'applications')")
+    return doc
+
+
+def _app_args(doc: dict[str, Any]) -> dict[str, Any]:
+    return dict(doc["applications"][0].get("args") or {})
+
+
+def _load_config(path: str) -> Any:
+    from pydantic import ValidationError
+
+    from serve_app.config import AppConfig, format_validation_error
+
+    try:
+        return AppConfig.model_validate(_app_args(_serve_doc(path)))
+    except ValidationError as exc:
+        raise SystemExit(f"{path}: invalid app config:\n{format_validation_error(exc, 'args')}")
+
+
+# ---- keys ---------------------------------------------------------------------------------------
+def _keys_path(ns: argparse.Namespace) -> Path:
+    if ns.keys_file:
+        return Path(ns.keys_file)
+    return Path(_load_config(ns.config).gateway.keys_file)
+
+
+def cmd_keys(ns: argparse.Namespace) -> int:
+    from serve_app.gateway.keys import KeysFileError, create_key, read_keys_file, revoke_key
+
+    path = _keys_path(ns)
+    try:
+        if ns.keys_cmd == "create":
+            models = [m for m in (ns.models or "*").split(",") if m]
+            secret = create_key(path, ns.id, ns.tier, models)
+            print(f"created key {ns.id!r} (tier {ns.tier}, models {','.join(models)}) in {path}")
+            print("secret (shown once, store it now):")
+            print(secret)
+        elif ns.keys_cmd == "list":
+            keys = read_keys_file(path).keys
+            if not keys:
+                print(f"no keys in {path}")
+            for k in keys:
+                state = "revoked" if k.revoked else "active"
+                print(f"{k.id:24} {k.tier:10} {state:8} {','.join(k.models):24} {k.created_at}")
+        elif ns.keys_cmd == "revoke":
+            revoke_key(path, ns.id)
+            print(f"revoked key {ns.id!r} in {path}")
+    except KeysFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def ensure_demo_key(keys_file: Path, secret_file: Path) -> str:
+    """A stable local demo key: reuse the stored secret while its digest is still active."""
+    from serve_app.gateway.auth import digest
+    from serve_app.gateway.keys import create_key, read_keys_file, revoke_key, write_keys_file
+
+    keys = read_keys_file(keys_file)
+    active = {k.digest for k in keys.keys if not k.revoked}
+    if secret_file.exists():
+        secret = secret_file.read_text().strip()
+        if digest(secret) in active:
+            return secret
+    if any(k.id == DEMO_KEY_ID for k in keys.keys):
+        revoke_key(keys_file, DEMO_KEY_ID)
+        keys = read_keys_file(keys_file)
+        write_keys_file(keys_file, type(keys)(keys=tuple(k for k in keys.keys if k.id != DEMO_KEY_ID)))
+    secret = create_key(keys_file, DEMO_KEY_ID, "standard", ["*"])
+    secret_file.parent.mkdir(parents=True, exist_ok=True)
+    secret_file.write_text(secret + "\n")
+    os.chmod(secret_file, 0o600)
+    return secret
+
+
+# ---- tiny model ---------------------------------------------------------------------------------
+def cmd_build_tiny_model(ns: argparse.Namespace) -> int:
+    from serve_app.engine.sources import builtin_path
+    from serve_app.engine.tiny_model import build_tiny_model, is_built
+
+    path = builtin_path("tiny-chat", ns.cache_dir)
+    if is_built(path) and not ns.force:
+        _say(f"tiny chat model already built at {path}")
+        return 0
+    _say(f"building the tiny chat model at {path} (seeded weights, local tokenizer) ...")
+    t0 = time.monotonic()
+    build_tiny_model(path, force=ns.force)
+    _say(f"built in {time.monotonic() - t0:.1f} s")
+    return 0
+
+
+# ---- config check -------------------------------------------------------------------------------
+def cmd_check_config(ns: argparse.Namespace) -> int:
+    bad = 0
+    for path in ns.files:
+        try:
+            cfg = _load_config(path)
+            print(f"{path}: ok ({', '.join(m.id for m in cfg.models)})")
+        except SystemExit as exc:
+            print(exc, file=sys.stderr)
+            bad += 1
+    return 1 if bad else 0
+
+
+# ---- run ----------------------------------------------------------------------------------------
+def _status_line(status: Any) -> tuple[str, str]:
+    app = status.applications.get(APP_NAME)
+    if app is None:
+        return "NOT_STARTED", ""
+    parts = [f"{name}={d.status.value}" for name, d in sorted(app.deployments.items())]
+    return app.status.value, " ".join(parts)
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    doc = _serve_doc(ns.config)
+    cfg = _load_config(ns.config)
+    http = dict(doc.get("http_options") or {})
+    host = ns.host or http.get("host", "127.0.0.1")
+    port = ns.port or int(http.get("port", 8000))
+
+    keys_file = Path(ns.keys_file or cfg.gateway.keys_file).resolve()
+    secret_file = keys_file.parent / "demo-key.secret"
+    secret = ensure_demo_key(keys_file, secret_file)
+    gateway = cfg.gateway.model_copy(update={"keys_file": str(keys_file)})
+    cfg = cfg.model_copy(update={"gateway": gateway})
+
+    if any(m.source == "builtin:tiny-chat" for m in cfg.models):
+        cmd_build_tiny_model(argparse.Namespace(cache_dir=cfg.cache_dir, force=False))
+
+    _say("starting Ray (local, loopback only) ...")
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    # Logical CPUs are scheduling tokens; engines pin their own threads (VLLM_CPU_OMP_THREADS_BIND).
+    ray.init(
+        num_cpus=max(8, os.cpu_count() or 1),
+        include_dashboard=False,
+        log_to_driver=ns.verbose,
+        configure_logging=True,
+        logging_level="WARNING",
+    )
+    stop = threading.Event()
+
+    def _stop(*_: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    code = 0
+    try:
+        serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
+        _say(f"deploying {', '.join(m.id for m in cfg.models)} (engines take about a minute on CPU) ...")
+        serve._run(build_app(cfg), _blocking=False, name=APP_NAME, route_prefix="/")
+        t0 = time.monotonic()
+        last = ""
+        while not stop.is_set():
+            state, detail = _status_line(serve.status())
+            if detail != last:
+                _say(f"{time.monotonic() - t0:5.0f} s  {state}: {detail}")
+                last = detail
+            if state == "RUNNING":
+                break
+            if state in ("DEPLOY_FAILED", "UNHEALTHY"):
+                app = serve.status().applications[APP_NAME]
+                _say(f"deployment failed: {app.message[-2000:]}")
+                for name, d in app.deployments.items():
+                    if d.message:
+                        _say(f"{name}: {d.message[-2000:]}")
+                return 1
+            if time.monotonic() - t0 > ns.timeout:
+                _say(f"not ready after {ns.timeout} s; logs are in /tmp/ray/session_latest/logs")
+                return 1
+            stop.wait(2.0)
+        if not stop.is_set():
+            _say(f"ready in {time.monotonic() - t0:.0f} s. Paste these into a shell:")
+            print(f"OPENAI_BASE_URL=http://{host}:{port}/v1", flush=True)
+            print(f"OPENAI_API_KEY={secret}", flush=True)
+            _say("Ctrl-C stops everything. Logs: /tmp/ray/session_latest/logs")
+            if ns.ready_file:
+                Path(ns.ready_file).write_text(json.dumps({"base_url": f"http://{host}:{port}/v1"}))
+        stop.wait()
+    finally:
+        _say("shutting down ...")
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+        _say("stopped")
+    return code
+
+
+# ---- diagnose -----------------------------------------------------------------------------------
+def cmd_diagnose(ns: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from serve_app.app import GATEWAY_DEPLOYMENT
+
+    ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
+    state, detail = _status_line(serve.status())
+    print(f"app {APP_NAME}: {state} {detail}")
+    if state == "RUNNING":
+        gw = serve.get_deployment_handle(GATEWAY_DEPLOYMENT, app_name=APP_NAME)
+        print("gateway:", json.dumps(gw.diagnostics.remote().result(timeout_s=10)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="serve-app", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    run = sub.add_parser("run", help="run a config locally (the embedded default by default)")
+    run.add_argument("--config", default=DEFAULT_CONFIG)
+    run.add_argument("--host")
+    run.add_argument("--port", type=int)
+    run.add_argument("--keys-file", help="override the config's gateway.keys_file")
+    run.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for readiness")
+    run.add_argument("--ready-file", help="write a JSON file here once ready (for scripts)")
+    run.add_argument("--verbose", action="store_true", help="stream replica logs to this terminal")
+    run.set_defaults(func=cmd_run)
+
+    keys = sub.add_parser("keys", help="create, list and revoke API keys")
+    keys.add_argument("--config", default=DEFAULT_CONFIG)
+    keys.add_argument("--keys-file", help="defaults to the config's gateway.keys_file")
+    ksub = keys.add_subparsers(dest="keys_cmd", required=True)
+    kc = ksub.add_parser("create", help="create a key and print its secret once")
+    kc.add_argument("--id", required=True)
+    kc.add_argument("--tier", default="standard")
+    kc.add_argument("--models", default="*", help="comma-separated model ids or aliases, or *")
+    ksub.add_parser("list", help="list keys (never secrets)")
+    kr = ksub.add_parser("revoke", help="revoke a key")
+    kr.add_argument("--id", required=True)
+    keys.set_defaults(func=cmd_keys)
+
+    bt = sub.add_parser("build-tiny-model", help="build the tiny chat model into the cache")
+    bt.add_argument("--cache-dir", default="~/.cache/serve-app")
+    bt.add_argument("--force", action="store_true")
+    bt.set_defaults(func=cmd_build_tiny_model)
+
+    cc = sub.add_parser("check-config", help="validate Ray Serve config files against the schema")
+    cc.add_argument("files", nargs="+")
+    cc.set_defaults(func=cmd_check_config)
+
+    dg = sub.add_parser("diagnose", help="status of the running app and its gateway replica")
+    dg.set_defaults(func=cmd_diagnose)
+
+    ns = p.parse_args(argv)
+    return int(ns.func(ns))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

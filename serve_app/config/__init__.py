@@ -1,0 +1,31 @@
+"""Strict pydantic models of the whole app: the only place where defaults live."""
+
+from serve_app.config.models import (
+    Accelerator,
+    AppConfig,
+    AutoscalingConfig,
+    DeploymentOptions,
+    EngineArgs,
+    GatewayConfig,
+    KeyRecord,
+    KeysFile,
+    ModelConfig,
+    TierConfig,
+    format_validation_error,
+    load_app_config,
+)
+
+__all__ = [
+    "Accelerator",
+    "AppConfig",
+    "AutoscalingConfig",
+    "DeploymentOptions",
+    "EngineArgs",
+    "GatewayConfig",
+    "KeyRecord",
+    "KeysFile",
+    "ModelConfig",
+    "TierConfig",
+    "format_validation_error",
+    "load_app_config",
+]

@@ -1,0 +1,271 @@
+"""The app's configuration schema.
+
+A Ray Serve config file (``configs/*.yaml``) names ``serve_app.app:build_app`` as its import path;
+its ``args`` block is validated here by ``AppConfig``. Every model forbids unknown fields, so a
+typo fails at deploy time with the field's name instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+_ID_RE = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineArgs(_Strict):
+    """The vLLM engine arguments we type and check. ``extra`` passes anything else through as-is."""
+
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    tensor_parallel_size: PositiveInt = 1
+    pipeline_parallel_size: PositiveInt = 1
+    max_model_len: PositiveInt | None = None
+    max_num_seqs: PositiveInt | None = None
+    max_num_batched_tokens: PositiveInt | None = None
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    kv_cache_memory_bytes: PositiveInt | None = None
+    block_size: PositiveInt | None = None
+    enable_prefix_caching: bool | None = None
+    enforce_eager: bool = False
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    distributed_executor_backend: Literal["mp", "ray"] | None = None
+    quantization: str | None = None
+    seed: int | None = 0
+    trust_remote_code: bool = False
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _extra_does_not_shadow(self) -> EngineArgs:
+        typed = set(type(self).model_fields) - {"extra"}
+        clash = sorted(typed & set(self.extra))
+        if clash:
+            raise ValueError(f"extra ({clash}) repeats typed engine fields; set them directly")
+        return self
+
+
+class AutoscalingConfig(_Strict):
+    """The subset of Ray Serve's autoscaling config we expose, with its own rules checked early."""
+
+    min_replicas: NonNegativeInt = 1
+    max_replicas: PositiveInt = 1
+    initial_replicas: NonNegativeInt | None = None
+    target_ongoing_requests: PositiveFloat = 16.0
+    upscale_delay_s: float = Field(default=30.0, ge=0)
+    downscale_delay_s: float = Field(default=600.0, ge=0)
+    metrics_interval_s: PositiveFloat = 10.0
+    look_back_period_s: PositiveFloat = 30.0
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingConfig:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})"
+            )
+        if self.initial_replicas is not None and not (
+            self.min_replicas <= self.initial_replicas <= self.max_replicas
+        ):
+            raise ValueError(
+                f"initial_replicas ({self.initial_replicas}) must be between min_replicas "
+                f"({self.min_replicas}) and max_replicas ({self.max_replicas})"
+            )
+        return self
+
+
+class DeploymentOptions(_Strict):
+    """Ray Serve deployment options for one model. Give ``num_replicas`` or ``autoscaling_config``."""
+
+    num_replicas: PositiveInt | None = None
+    autoscaling_config: AutoscalingConfig | None = None
+    max_ongoing_requests: PositiveInt = 64
+    max_queued_requests: int = Field(default=-1, ge=-1)
+    health_check_period_s: PositiveFloat = 10.0
+    health_check_timeout_s: PositiveFloat = 30.0
+    graceful_shutdown_timeout_s: float = Field(default=20.0, ge=0)
+
+    @model_validator(mode="after")
+    def _one_scaling_mode(self) -> DeploymentOptions:
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError(
+                f"num_replicas ({self.num_replicas}) and autoscaling_config are exclusive; give one"
+            )
+        return self
+
+
+class Accelerator(_Strict):
+    """Where a model runs. ``kind`` decides the placement-group bundles."""
+
+    kind: Literal["cpu", "gpu"] = "cpu"
+    # A Ray accelerator type such as "A10G" or "H100"; None means any GPU.
+    type: str | None = None
+    # CPUs reserved for each engine worker (each tensor-parallel rank).
+    cpus_per_worker: PositiveFloat = 1.0
+
+    @model_validator(mode="after")
+    def _type_needs_gpu(self) -> Accelerator:
+        if self.type is not None and self.kind != "gpu":
+            raise ValueError(f"type ({self.type!r}) is only valid with kind 'gpu', not {self.kind!r}")
+        return self
+
+
+class ModelConfig(_Strict):
+    """One served model: one Ray Serve deployment wrapping one vLLM engine per replica."""
+
+    id: str = Field(pattern=_ID_RE)
+    # "builtin:tiny-chat", "package:<python package>/<subdir>", a local path, or a hub id.
+    source: str = Field(min_length=1)
+    task: Literal["generate", "embed"] = "generate"
+    aliases: tuple[str, ...] = ()
+    engine: EngineArgs = Field(default_factory=EngineArgs)
+    # vLLM OpenAI front-end options (chat_template, tool_call_parser, enable_auto_tool_choice, ...).
+    frontend: dict[str, Any] = Field(default_factory=dict)
+    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
+    accelerator: Accelerator = Field(default_factory=Accelerator)
+    env: dict[str, str] = Field(default_factory=dict)
+    startup_timeout_s: PositiveFloat = 900.0
+
+    @field_validator("aliases")
+    @classmethod
+    def _aliases_valid(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for alias in v:
+            if not re.match(_ID_RE, alias):
+                raise ValueError(f"alias ({alias!r}) must match {_ID_RE}")
+        return v
+
+    @model_validator(mode="after")
+    def _parallelism_fits_accelerator(self) -> ModelConfig:
+        backend = self.engine.distributed_executor_backend
+        if self.accelerator.kind == "cpu" and backend == "ray":
+            raise ValueError(
+                "engine.distributed_executor_backend ('ray') is refused by vLLM on CPU; use 'mp'"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size
+
+
+class TierConfig(_Strict):
+    """An SLA tier. Limits and objectives are filled in by the tiers feature; priority maps to vLLM."""
+
+    priority: int = 0
+    description: str = ""
+
+
+class GatewayConfig(_Strict):
+    """The ingress deployment: authentication, limits, routing."""
+
+    keys_file: str = "keys.yaml"
+    keys_reload_interval_s: PositiveFloat = 1.0
+    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    request_timeout_s: PositiveFloat = 600.0
+    # Longest silence allowed between two chunks of a stream before it is ended with an error.
+    stream_idle_timeout_s: PositiveFloat = 120.0
+    retry_after_s: PositiveInt = 2
+    num_replicas: PositiveInt = 1
+    max_ongoing_requests: PositiveInt = 1024
+    num_cpus: float = Field(default=0.5, ge=0)
+
+
+class AppConfig(_Strict):
+    """Everything ``build_app`` needs: the ``args`` block of a Ray Serve config file."""
+
+    models: tuple[ModelConfig, ...] = Field(min_length=1)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    tiers: dict[str, TierConfig] = Field(default_factory=lambda: {"standard": TierConfig()})
+    default_tier: str = "standard"
+    cache_dir: str = "~/.cache/serve-app"
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> AppConfig:
+        seen: dict[str, str] = {}
+        for m in self.models:
+            for name in (m.id, *m.aliases):
+                if name in seen:
+                    raise ValueError(
+                        f"model name ({name!r}) of model {m.id!r} is already used by model {seen[name]!r}"
+                    )
+                seen[name] = m.id
+        if self.default_tier not in self.tiers:
+            raise ValueError(
+                f"default_tier ({self.default_tier!r}) is not one of tiers {sorted(self.tiers)}"
+            )
+        return self
+
+    def model(self, model_id: str) -> ModelConfig:
+        for m in self.models:
+            if m.id == model_id:
+                return m
+        raise KeyError(model_id)
+
+
+class KeyRecord(_Strict):
+    """One API key as stored: never the secret, only its SHA-256 digest."""
+
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
+    tier: str = "standard"
+    # Model ids or aliases this key may use; "*" means every model.
+    models: tuple[str, ...] = ("*",)
+    created_at: str = ""
+    revoked: bool = False
+
+    def allows(self, model_id: str) -> bool:
+        return "*" in self.models or model_id in self.models
+
+
+class KeysFile(_Strict):
+    """The keys file: a YAML document ``{keys: [...]}``."""
+
+    keys: tuple[KeyRecord, ...] = ()
+
+    @model_validator(mode="after")
+    def _unique(self) -> KeysFile:
+        ids: set[str] = set()
+        for k in self.keys:
+            if k.id in ids:
+                raise ValueError(f"key id ({k.id!r}) appears twice")
+            ids.add(k.id)
+        return self
+
+
+def format_validation_error(err: ValidationError, root: str = "") -> str:
+    """One line per problem: ``models.0.engine.max_num_seqs: Input should be greater than 0 (got 0)``."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in (root, *e["loc"]) if p != "")
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+        lines.append(f"{loc or '<root>'}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def load_app_config(serve_config_path: str | Path, app_name: str | None = None) -> AppConfig:
+    """Read a Ray Serve config file and validate its application's ``args``."""
+    doc = yaml.safe_load(Path(serve_config_path).read_text())
+    apps = doc.get("applications") or []
+    if not apps:
+        raise ValueError(f"{serve_config_path}: no applications")
+    app = next((a for a in apps if app_name in (None, a.get("name"))), None)
+    if app is None:
+        raise ValueError(f"{serve_config_path}: no application named {app_name!r}")
+    return AppConfig.model_validate(app.get("args") or {})

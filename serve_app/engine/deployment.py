@@ -1,0 +1,63 @@
+"""The model deployment: one Ray Serve replica = one vLLM engine (see ``server.EngineServer``).
+
+Every public method answers as a stream (head, then bytes), so the gateway handles chat,
+completions and embeddings, streaming or not, with one code path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from serve_app.config import ModelConfig
+from serve_app.engine.server import EngineServer
+from serve_app.engine.sources import resolve_source
+from serve_app.protocol import RequestContext
+
+logger = logging.getLogger("ray.serve")
+
+
+@serve.deployment
+class ModelServer:
+    """Ray Serve deployment wrapping one vLLM engine. Start-up is bounded by ``startup_timeout_s``."""
+
+    async def __init__(self, model: dict[str, Any], cache_dir: str, stream_interval_s: float) -> None:
+        self.cfg = ModelConfig.model_validate(model)
+        path = await asyncio.to_thread(resolve_source, self.cfg.source, cache_dir)
+        self.server = EngineServer(self.cfg, path, stream_interval_s=stream_interval_s)
+        try:
+            await asyncio.wait_for(self.server.start(), self.cfg.startup_timeout_s)
+        except asyncio.TimeoutError:
+            self.server.shutdown()
+            raise RuntimeError(
+                f"engine for {self.cfg.id!r} did not start within {self.cfg.startup_timeout_s:.0f} s"
+            ) from None
+
+    async def chat(self, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Any]:
+        async for item in self.server.chat(body, RequestContext.from_dict(ctx)):
+            yield item
+
+    async def completions(self, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Any]:
+        async for item in self.server.completions(body, RequestContext.from_dict(ctx)):
+            yield item
+
+    async def embeddings(self, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Any]:
+        async for item in self.server.embeddings(body, RequestContext.from_dict(ctx)):
+            yield item
+
+    async def stats(self) -> dict[str, Any]:
+        """Engine facts for operators and tests: requests the engine still holds."""
+        return {"model": self.cfg.id, "unfinished_requests": self.server.unfinished_requests()}
+
+    async def check_health(self) -> None:
+        # Raises when the engine core died; Ray Serve then replaces this replica.
+        await self.server.check_health()
+
+    def __del__(self) -> None:
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.shutdown()

@@ -1,0 +1,43 @@
+"""Placement-group bundles for a model replica, from its parallelism and accelerator.
+
+GPU: one bundle per tensor/pipeline-parallel rank, each with one GPU, packed onto one node so the
+ranks talk over NVLink/PCIe. The replica actor itself sits in the first bundle (Ray Serve's rule);
+vLLM's ``ray`` executor places its workers in the others.
+
+CPU: vLLM's ``mp`` executor forks its workers inside the replica's process tree, so the whole
+replica is one bundle holding the CPUs of every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serve_app.config import ModelConfig
+
+
+def placement_bundles(cfg: ModelConfig) -> list[dict[str, float]]:
+    acc = cfg.accelerator
+    if acc.kind == "cpu":
+        return [{"CPU": acc.cpus_per_worker * cfg.world_size}]
+    bundle: dict[str, float] = {"CPU": acc.cpus_per_worker, "GPU": 1.0}
+    if acc.type:
+        bundle[f"accelerator_type:{acc.type}"] = 0.001
+    return [dict(bundle) for _ in range(cfg.world_size)]
+
+
+def placement_strategy(cfg: ModelConfig) -> str:
+    # All ranks of one engine on one node; replicas themselves spread by Ray Serve.
+    return "STRICT_PACK"
+
+
+def actor_options(cfg: ModelConfig) -> dict[str, Any]:
+    """Options for the replica actor; they must fit in the first bundle."""
+    acc = cfg.accelerator
+    if acc.kind == "cpu":
+        num_cpus = acc.cpus_per_worker * cfg.world_size
+    else:
+        num_cpus = acc.cpus_per_worker
+    opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": 0}
+    if cfg.env:
+        opts["runtime_env"] = {"env_vars": dict(cfg.env)}
+    return opts

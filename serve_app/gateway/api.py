@@ -1,0 +1,196 @@
+"""The OpenAI-compatible HTTP API. Routes are thin: parse, call, map the result."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from serve_app import errors
+from serve_app.config import AppConfig, KeyRecord
+from serve_app.gateway.auth import bearer_token
+from serve_app.gateway.forward import Forwarder
+from serve_app.gateway.keys import KeyStore
+from serve_app.gateway.routing import Route, Router
+from serve_app.protocol import RequestContext
+
+logger = logging.getLogger("ray.serve")
+
+_REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_CREATED = int(time.time())
+
+
+@dataclass
+class GatewayDeps:
+    """Everything the routes need, built once per gateway replica (tests swap parts of it)."""
+
+    cfg: AppConfig
+    keys: KeyStore
+    router: Router
+    forwarder: Forwarder
+
+
+def client_request_id(request: Request) -> str:
+    """The caller's X-Request-Id if it is short and plain, else a fresh one (no CR/LF ever echoed)."""
+    given = request.headers.get("x-request-id", "")
+    return given if _REQUEST_ID_OK.match(given) else uuid.uuid4().hex
+
+
+def build_api(deps: GatewayDeps) -> FastAPI:
+    app = FastAPI(title="serve-app gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.deps = deps
+
+    def get_deps(request: Request) -> GatewayDeps:
+        return request.app.state.deps  # type: ignore[no-any-return]
+
+    def authenticate(request: Request, d: GatewayDeps = Depends(get_deps)) -> KeyRecord:
+        token = bearer_token(request.headers.get("authorization"))
+        if token is None:
+            raise errors.AuthenticationFailed(
+                "Missing or malformed API key. Send the header 'Authorization: Bearer <key>'."
+            )
+        key = d.keys.lookup(token)
+        if key is None:
+            raise errors.AuthenticationFailed("Incorrect API key provided.")
+        return key
+
+    async def read_json(request: Request, d: GatewayDeps) -> dict[str, Any]:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise errors.UnsupportedMediaType(
+                f"Content-Type must be application/json, not {ctype[:64] or 'missing'!r}"
+            )
+        limit = d.cfg.gateway.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise errors.PayloadTooLarge(f"request body is over the limit of {limit} bytes")
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > limit:
+                raise errors.PayloadTooLarge(f"request body is over the limit of {limit} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise errors.InvalidRequest(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise errors.InvalidRequest("request body must be a JSON object")
+        return body
+
+    async def relay(
+        request: Request, key: KeyRecord, d: GatewayDeps, method: str, task: str
+    ) -> Response:
+        body = await read_json(request, d)
+        route = d.router.resolve(body.get("model"), key)
+        if route.task != task:
+            raise errors.InvalidRequest(
+                f"model `{route.name}` is a {route.task} model and does not serve this endpoint",
+                param="model",
+            )
+        tier = d.cfg.tiers.get(key.tier) or d.cfg.tiers[d.cfg.default_tier]
+        ctx = RequestContext(
+            request_id=uuid.uuid4().hex,
+            key_id=key.id,
+            tier=key.tier,
+            priority=tier.priority,
+            deadline=time.time() + d.cfg.gateway.request_timeout_s,
+        )
+        headers = {
+            "x-request-id": client_request_id(request),
+            "x-served-by": route.model_id,
+        }
+        return await d.forwarder.forward(route.model_id, method, body, ctx, headers)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def list_models(
+        key: KeyRecord = Depends(authenticate), d: GatewayDeps = Depends(get_deps)
+    ) -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(r) for r in d.router.visible(key)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(
+        model: str, key: KeyRecord = Depends(authenticate), d: GatewayDeps = Depends(get_deps)
+    ) -> dict[str, Any]:
+        return _model_card(d.router.resolve(model, key))
+
+    @app.post("/v1/chat/completions")
+    async def chat(
+        request: Request, key: KeyRecord = Depends(authenticate), d: GatewayDeps = Depends(get_deps)
+    ) -> Response:
+        return await relay(request, key, d, "chat", "generate")
+
+    @app.post("/v1/completions")
+    async def completions(
+        request: Request, key: KeyRecord = Depends(authenticate), d: GatewayDeps = Depends(get_deps)
+    ) -> Response:
+        return await relay(request, key, d, "completions", "generate")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(
+        request: Request, key: KeyRecord = Depends(authenticate), d: GatewayDeps = Depends(get_deps)
+    ) -> Response:
+        return await relay(request, key, d, "embeddings", "embed")
+
+    install_error_handlers(app)
+    return app
+
+
+def _model_card(route: Route) -> dict[str, Any]:
+    return {
+        "id": route.name,
+        "object": "model",
+        "created": _CREATED,
+        "owned_by": "serve-app",
+        "root": route.model_id,
+        "parent": None if route.name == route.model_id else route.model_id,
+    }
+
+
+def error_response(exc: errors.ServeAppError) -> JSONResponse:
+    return JSONResponse(exc.to_body(), status_code=exc.status, headers=exc.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as ``{"error": {...}}`` with the right status; nothing leaks a traceback."""
+
+    async def on_app_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, errors.ServeAppError)
+        return error_response(exc)
+
+    async def on_http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        cls = errors.for_status(exc.status_code)
+        message = {404: "Unknown path.", 405: "Method not allowed for this path."}.get(
+            exc.status_code, str(exc.detail)
+        )
+        return error_response(cls(message))
+
+    async def on_validation_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+        return error_response(
+            errors.InvalidRequest(first.get("msg", "invalid request"), param=".".join(loc) or None)
+        )
+
+    async def on_unexpected(_: Request, exc: Exception) -> Response:
+        logger.exception("unexpected gateway error")
+        return error_response(errors.InternalError("The server had an error processing the request."))
+
+    app.add_exception_handler(errors.ServeAppError, on_app_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,45 @@
+"""The gateway ingress deployment: builds its collaborators and serves ``api.build_api``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+
+from serve_app.config import AppConfig
+from serve_app.gateway.api import GatewayDeps, build_api
+from serve_app.gateway.forward import Forwarder
+from serve_app.gateway.keys import KeyStore
+from serve_app.gateway.routing import Router
+
+
+@serve.deployment
+@serve.ingress()
+class Gateway:
+    """One unified OpenAI-compatible front door for every model deployment."""
+
+    def __init__(self, app_config: dict[str, Any], handles: dict[str, Any]) -> None:
+        cfg = AppConfig.model_validate(app_config)
+        self.deps = GatewayDeps(
+            cfg=cfg,
+            keys=KeyStore(Path(cfg.gateway.keys_file), cfg.gateway.keys_reload_interval_s),
+            router=Router(cfg),
+            forwarder=Forwarder(handles, cfg.gateway),
+        )
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_api(self.deps)
+
+    def diagnostics(self) -> dict[str, Any]:
+        """Facts about this replica for operators and tests: memory and heavy modules loaded."""
+        import resource
+        import sys
+
+        heavy = sorted(
+            m for m in ("vllm", "torch", "transformers", "serve_app.engine") if m in sys.modules
+        )
+        # ru_maxrss is in KiB on Linux.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"heavy_modules": heavy, "peak_rss_bytes": peak, "keys_file": str(self.deps.keys.path)}

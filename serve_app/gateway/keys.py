@@ -1,0 +1,130 @@
+"""The keys file: load, look up by digest, hot-reload, and the edits the console script makes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from serve_app.config import KeyRecord, KeysFile, format_validation_error
+from serve_app.gateway.auth import digest, new_secret, same_digest
+
+logger = logging.getLogger(__name__)
+
+
+class KeysFileError(ValueError):
+    """The keys file exists but cannot be parsed or validated."""
+
+
+def read_keys_file(path: Path) -> KeysFile:
+    if not path.exists():
+        return KeysFile()
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+        return KeysFile.model_validate(doc)
+    except yaml.YAMLError as exc:
+        raise KeysFileError(f"{path}: not valid YAML ({exc.__class__.__name__})") from None
+    except ValidationError as exc:
+        raise KeysFileError(f"{path}:\n{format_validation_error(exc, 'keys')}") from None
+
+
+def write_keys_file(path: Path, keys: KeysFile) -> None:
+    """Atomic replace, so a gateway reloading at the same moment sees the old or the new file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"keys": [k.model_dump() for k in keys.keys]}
+    for k in doc["keys"]:
+        k["models"] = list(k["models"])
+    fd, tmp = tempfile.mkstemp(prefix=".keys-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write("# API keys: SHA-256 digests only. Edit with `serve-app keys ...`.\n")
+        yaml.safe_dump(doc, f, sort_keys=False)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def create_key(path: Path, key_id: str, tier: str, models: list[str]) -> str:
+    """Add a key and return its secret, which exists nowhere else afterwards."""
+    keys = read_keys_file(path)
+    if any(k.id == key_id for k in keys.keys):
+        raise KeysFileError(f"key id {key_id!r} already exists; revoke it or choose another id")
+    secret = new_secret()
+    record = KeyRecord(
+        id=key_id,
+        digest=digest(secret),
+        tier=tier,
+        models=tuple(models) or ("*",),
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+    write_keys_file(path, KeysFile(keys=(*keys.keys, record)))
+    return secret
+
+
+def revoke_key(path: Path, key_id: str) -> None:
+    keys = read_keys_file(path)
+    if not any(k.id == key_id for k in keys.keys):
+        raise KeysFileError(f"no key with id {key_id!r} in {path}")
+    updated = tuple(
+        k.model_copy(update={"revoked": True}) if k.id == key_id else k for k in keys.keys
+    )
+    write_keys_file(path, KeysFile(keys=updated))
+
+
+class KeyStore:
+    """Looks keys up by digest; re-reads the file when it changes (checked at most every interval)."""
+
+    def __init__(self, path: Path, reload_interval_s: float = 1.0) -> None:
+        self.path = path
+        self.reload_interval_s = reload_interval_s
+        self._by_digest: dict[str, KeyRecord] = {}
+        self._stamp: tuple[int, int, int] | None = None
+        self._checked = 0.0
+        self._lock = threading.Lock()
+        self._reload(force=True)
+
+    def _file_stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _reload(self, force: bool = False) -> None:
+        stamp = self._file_stamp()
+        if not force and stamp == self._stamp:
+            return
+        try:
+            keys = read_keys_file(self.path)
+        except (KeysFileError, OSError) as exc:
+            # Keep serving with the keys we had; a broken edit must not lock everyone out.
+            logger.error("keys file not reloaded: %s", exc)
+            self._stamp = stamp
+            return
+        self._by_digest = {k.digest: k for k in keys.keys if not k.revoked}
+        self._stamp = stamp
+        if stamp is None:
+            logger.warning("keys file %s does not exist: every request will get 401", self.path)
+        else:
+            logger.info("loaded %d active keys from %s", len(self._by_digest), self.path)
+
+    def maybe_reload(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < self.reload_interval_s:
+            return
+        with self._lock:
+            self._checked = now
+            self._reload()
+
+    def lookup(self, secret: str) -> KeyRecord | None:
+        self.maybe_reload()
+        d = digest(secret)
+        record = self._by_digest.get(d)
+        if record is None or not same_digest(record.digest, d):
+            return None
+        return record
