@@ -1,0 +1,126 @@
+"""Start the real app once per session: real Ray Serve, real vLLM CPU engines, the real CLI.
+
+The stack is configs/local.yaml with a few test-only limits (a short context, a small body limit,
+a bounded queue) so that every error case can be reached quickly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+from serve_app.gateway.keys import create_key
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 900
+MAX_MODEL_LEN = 2048  # as in configs/local.yaml
+MAX_BODY_BYTES = 256 * 1024
+MAX_ONGOING = 8
+MAX_QUEUED = 8
+
+
+@dataclass
+class Stack:
+    base_url: str  # ends with /v1
+    root_url: str
+    keys: dict[str, str]  # key id -> secret
+    log: Path
+    workdir: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _test_config(workdir: Path, port: int) -> Path:
+    doc = yaml.safe_load((ROOT / "configs/local.yaml").read_text())
+    doc["http_options"] = {"host": "127.0.0.1", "port": port}
+    args: dict[str, Any] = doc["applications"][0]["args"]
+    args["gateway"].update(keys_file=str(workdir / "keys.yaml"), max_body_bytes=MAX_BODY_BYTES)
+    tiny = next(m for m in args["models"] if m["id"] == "tiny-chat")
+    tiny["engine"]["max_model_len"] = MAX_MODEL_LEN
+    tiny["deployment"].update(max_ongoing_requests=MAX_ONGOING, max_queued_requests=MAX_QUEUED)
+    path = workdir / "serve.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    workdir = tmp_path_factory.mktemp("stack")
+    port = _free_port()
+    config = _test_config(workdir, port)
+    keys_file = workdir / "keys.yaml"
+    keys = {
+        "all": create_key(keys_file, "all", "standard", ["*"]),
+        "embed-only": create_key(keys_file, "embed-only", "standard", ["minilm-embed"]),
+    }
+    log = workdir / "stack.log"
+    ready = workdir / "ready.json"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "serve_app.cli", "run", "--config", str(config),
+             "--ready-file", str(ready), "--timeout", str(START_TIMEOUT_S)],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        t0 = time.monotonic()
+        while not ready.exists():
+            if proc.poll() is not None:
+                pytest.fail(f"the app exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            if time.monotonic() - t0 > START_TIMEOUT_S:
+                pytest.fail(f"the app was not ready in {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        print(f"\n[stack] ready in {time.monotonic() - t0:.0f} s on port {port}", flush=True)
+        base = json.loads(ready.read_text())["base_url"]
+        yield Stack(base_url=base, root_url=base.removesuffix("/v1"), keys=keys, log=log, workdir=workdir)
+    finally:
+        _disconnect_ray()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+_ray_connected = False
+
+
+def _disconnect_ray() -> None:
+    global _ray_connected
+    if _ray_connected:
+        import ray
+
+        ray.shutdown()
+        _ray_connected = False
+
+
+@pytest.fixture(scope="session")
+def serve_handles(stack: Stack) -> Any:
+    """Deployment handles into the running app, for facts HTTP does not show (engine internals)."""
+    global _ray_connected
+    import ray
+    from ray import serve
+
+    ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
+    _ray_connected = True
+
+    def get(name: str) -> Any:
+        return serve.get_deployment_handle(name, app_name="llm")
+
+    return get

@@ -1,0 +1,98 @@
+"""serve_app.app: deployment options and app wiring, checked against Ray Serve's own validation.
+
+Ray Serve's ``Deployment.options`` and ``build_app`` validate without a running cluster.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ray.serve._private.build_app import build_app as ray_build_app
+from ray.serve.config import AutoscalingConfig as RayAutoscalingConfig
+
+from serve_app.app import build_app, deployment_name, model_deployment_options, parse_args
+from serve_app.config import AppConfig, ModelConfig, load_app_config
+from serve_app.engine.deployment import ModelServer
+
+CONFIG_FILES = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.y*ml"))
+
+
+def _cfg(**over: Any) -> ModelConfig:
+    return ModelConfig.model_validate({"id": "org/Model-1.5", "source": "x", **over})
+
+
+def test_deployment_name_is_ray_safe() -> None:
+    assert deployment_name("org/Model-1.5") == "model-org-Model-1-5"
+
+
+def test_fixed_replicas_default_to_one() -> None:
+    opts = model_deployment_options(_cfg())
+    assert opts["num_replicas"] == 1
+    assert "autoscaling_config" not in opts
+
+
+def test_fixed_replicas_are_passed() -> None:
+    opts = model_deployment_options(_cfg(deployment={"num_replicas": 3}))
+    assert opts["num_replicas"] == 3
+
+
+def test_autoscaling_replaces_num_replicas() -> None:
+    m = _cfg(deployment={"autoscaling_config": {"min_replicas": 0, "max_replicas": 4}})
+    opts = model_deployment_options(m)
+    assert "num_replicas" not in opts
+    assert opts["autoscaling_config"]["min_replicas"] == 0
+    assert opts["autoscaling_config"]["max_replicas"] == 4
+    assert "initial_replicas" not in opts["autoscaling_config"]  # None is left to Ray
+    # Ray Serve accepts every key we send.
+    ray_cfg = RayAutoscalingConfig(**opts["autoscaling_config"])
+    assert ray_cfg.max_replicas == 4
+
+
+def test_queue_and_concurrency_limits_are_passed() -> None:
+    opts = model_deployment_options(
+        _cfg(deployment={"max_queued_requests": 7, "max_ongoing_requests": 5})
+    )
+    assert opts["max_queued_requests"] == 7
+    assert opts["max_ongoing_requests"] == 5
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"engine": {"tensor_parallel_size": 2}, "accelerator": {"cpus_per_worker": 2}},
+        {"engine": {"tensor_parallel_size": 2}, "accelerator": {"kind": "gpu", "type": "A10G"}},
+        {"deployment": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}},
+        {"env": {"A": "1"}, "deployment": {"max_queued_requests": 10}},
+    ],
+)
+def test_ray_serve_accepts_model_deployment_options(over: dict[str, Any]) -> None:
+    opts = model_deployment_options(_cfg(**over))
+    # Raises if, e.g., the actor does not fit in the first bundle or a value is out of range.
+    d = ModelServer.options(**opts)
+    assert d.name == opts["name"]
+
+
+def test_parse_args_gives_readable_error() -> None:
+    with pytest.raises(ValueError) as exc_info:
+        parse_args({"models": [{"id": "m", "source": "x", "engine": {"max_num_seqs": 0}}]})
+    assert "invalid app config:" in str(exc_info.value)
+    assert "models.0.engine.max_num_seqs: Input should be greater than 0 (got 0)" in str(
+        exc_info.value
+    )
+
+
+def test_parse_args_accepts_validated_config() -> None:
+    cfg = AppConfig.model_validate({"models": [{"id": "m", "source": "x"}]})
+    assert parse_args(cfg) is cfg
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
+def test_shipped_config_builds_gateway_plus_one_deployment_per_model(path: Path) -> None:
+    cfg = load_app_config(path)
+    built = ray_build_app(build_app(cfg), name="llm")
+    names = {d.name for d in built.deployments}
+    assert built.ingress_deployment_name == "gateway"
+    assert names == {"gateway"} | {deployment_name(m.id) for m in cfg.models}

@@ -1,0 +1,288 @@
+"""serve_app.engine.server: engine kwargs, error mapping, and the SSE coalescer (no engine started)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from serve_app import errors
+from serve_app.config import EngineArgs, ModelConfig, load_app_config
+from serve_app.engine.server import EngineServer, _validation_error, engine_kwargs, to_openai_error
+from serve_app.protocol import SSE_DONE
+
+CONFIG_FILES = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.y*ml"))
+
+
+def _cfg(**over: Any) -> ModelConfig:
+    return ModelConfig.model_validate({"id": "tiny-chat", "source": "builtin:tiny-chat", **over})
+
+
+# ---- engine_kwargs -----------------------------------------------------------------------------
+def test_engine_kwargs_names_the_model_and_path() -> None:
+    kw = engine_kwargs(_cfg(engine={"max_num_seqs": 8}), "/models/tiny")
+    assert kw["model"] == "/models/tiny"
+    assert kw["served_model_name"] == ["tiny-chat"]
+    assert kw["max_num_seqs"] == 8
+    assert "runner" not in kw
+    assert "extra" not in kw
+
+
+def test_engine_kwargs_drops_unset_optionals_but_keeps_seed_zero() -> None:
+    kw = engine_kwargs(_cfg(), "/m")
+    assert "max_model_len" not in kw and "quantization" not in kw
+    assert kw["seed"] == 0
+
+
+def test_engine_kwargs_embed_uses_pooling_runner() -> None:
+    assert engine_kwargs(_cfg(task="embed"), "/m")["runner"] == "pooling"
+
+
+def test_engine_kwargs_tp_on_cpu_uses_mp() -> None:
+    kw = engine_kwargs(_cfg(engine={"tensor_parallel_size": 2}), "/m")
+    assert kw["distributed_executor_backend"] == "mp"
+
+
+def test_engine_kwargs_tp_on_gpu_uses_ray() -> None:
+    kw = engine_kwargs(_cfg(engine={"tensor_parallel_size": 2}, accelerator={"kind": "gpu"}), "/m")
+    assert kw["distributed_executor_backend"] == "ray"
+
+
+def test_engine_kwargs_single_worker_leaves_backend_to_vllm() -> None:
+    assert "distributed_executor_backend" not in engine_kwargs(_cfg(), "/m")
+
+
+def test_engine_kwargs_keeps_explicit_backend() -> None:
+    cfg = _cfg(
+        engine={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+        accelerator={"kind": "gpu"},
+    )
+    assert engine_kwargs(cfg, "/m")["distributed_executor_backend"] == "mp"
+
+
+def test_engine_kwargs_passes_extra_through() -> None:
+    kw = engine_kwargs(_cfg(engine={"extra": {"swap_space": 2, "max_logprobs": 5}}), "/m")
+    assert kw["swap_space"] == 2 and kw["max_logprobs"] == 5
+
+
+# ---- against vLLM's own AsyncEngineArgs ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def vllm_engine_args() -> type:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs
+
+
+def test_typed_engine_fields_exist_in_vllm(vllm_engine_args: type) -> None:
+    vllm_fields = {f.name for f in dataclasses.fields(vllm_engine_args)}
+    ours = set(EngineArgs.model_fields) - {"extra"}
+    assert ours - vllm_fields == set()
+    # And the keys engine_kwargs adds on its own.
+    assert {"model", "served_model_name", "runner", "disable_log_stats"} <= vllm_fields
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
+def test_shipped_configs_build_vllm_engine_args(vllm_engine_args: type, path: Path) -> None:
+    for m in load_app_config(path).models:
+        args = vllm_engine_args(**engine_kwargs(m, "/nonexistent/model"))
+        assert args.served_model_name == [m.id]
+
+
+# ---- error mapping -----------------------------------------------------------------------------
+def test_context_length_error_names_the_main_param() -> None:
+    msg = "This model's maximum context length is 2048 tokens. However, you requested 3000 tokens."
+    err = to_openai_error(400, msg, "input_tokens", main_param="prompt")
+    assert isinstance(err, errors.ContextLengthExceeded)
+    assert err.status == 400
+    assert err.to_body()["error"] == {
+        "message": msg,
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": "context_length_exceeded",
+    }
+
+
+def test_other_400_keeps_vllm_param() -> None:
+    err = to_openai_error(400, "temperature must be >= 0", "temperature")
+    assert type(err) is errors.InvalidRequest
+    assert (err.param, err.code) == ("temperature", "invalid_request")
+
+
+@pytest.mark.parametrize(
+    ("status", "cls", "code"),
+    [
+        (404, errors.NotFound, "not_found"),
+        (503, errors.ServiceUnavailable, "service_unavailable"),
+        (422, errors.InvalidRequest, "invalid_request"),
+        (500, errors.InternalError, "internal_error"),
+        (501, errors.InternalError, "internal_error"),
+    ],
+)
+def test_status_maps_to_error_class(status: int, cls: type, code: str) -> None:
+    err = to_openai_error(status, "m", None)
+    assert type(err) is cls
+    assert err.code == code
+
+
+def test_503_from_engine_carries_retry_after() -> None:
+    assert to_openai_error(503, "busy", None).headers["Retry-After"] == "1"
+
+
+class ChatReq(BaseModel):
+    messages: list[str]
+    temperature: float = 1.0
+
+
+def test_validation_error_names_the_field() -> None:
+    with pytest.raises(ValidationError) as exc_info:
+        ChatReq.model_validate({"messages": ["hi"], "temperature": "hot"})
+    err = _validation_error(exc_info.value)
+    assert err.status == 400
+    assert err.param == "temperature"
+    assert err.message.startswith("temperature: ")
+
+
+def test_validation_error_drops_union_member_class_name() -> None:
+    class Other(BaseModel):
+        input: int
+
+    with pytest.raises(ValidationError) as exc_info:
+        TypeAdapter(ChatReq | Other).validate_python({"messages": "not a list"})
+    err = _validation_error(exc_info.value)
+    assert err.param == "messages"
+    assert "ChatReq" not in err.message
+
+
+# ---- _coalesce ---------------------------------------------------------------------------------
+def _server(interval: float = 0.02) -> EngineServer:
+    return EngineServer(_cfg(), "/dummy/path", stream_interval_s=interval)
+
+
+async def _chunks(parts: list[str], delays: list[float] | None = None) -> AsyncIterator[str]:
+    for i, part in enumerate(parts):
+        if delays:
+            await asyncio.sleep(delays[i])
+        yield part
+
+
+async def _collect(server: EngineServer, source: AsyncIterator[str]) -> list[tuple[float, Any]]:
+    t0 = time.monotonic()
+    return [(time.monotonic() - t0, item) async for item in server._coalesce(source)]
+
+
+def _joined(items: list[tuple[float, Any]]) -> bytes:
+    head, rest = items[0][1], [i for _, i in items[1:]]
+    assert all(isinstance(b, bytes) for b in rest)
+    return head["body"] + b"".join(rest)
+
+
+def test_coalesce_first_item_is_stream_head_with_first_chunk() -> None:
+    parts = [f"data: {{\"n\": {i}}}\n\n" for i in range(5)]
+    items = asyncio.run(_collect(_server(), _chunks(parts, [0.0, 0.05, 0.05, 0.05, 0.05])))
+    head = items[0][1]
+    assert isinstance(head, dict)
+    assert head["stream"] is True and head["status"] == 200
+    assert head["body"].startswith(parts[0].encode())
+    assert _joined(items) == "".join(parts).encode()
+
+
+def test_coalesce_flushes_first_chunk_without_waiting_for_the_rest() -> None:
+    parts = ["data: first\n\n", "data: second\n\n"]
+    items = asyncio.run(_collect(_server(0.02), _chunks(parts, [0.0, 0.5])))
+    assert items[0][1]["body"] == parts[0].encode()
+    assert items[0][0] < 0.3
+    assert _joined(items) == "".join(parts).encode()
+
+
+def test_coalesce_batches_chunks_within_the_interval() -> None:
+    parts = ["data: a\n\n", "data: b\n\n", "data: c\n\n", "data: d\n\n"]
+    items = asyncio.run(_collect(_server(0.4), _chunks(parts, [0.0, 0.02, 0.01, 0.01])))
+    # The first chunk at once, then the rest together after the interval.
+    assert len(items) == 2
+    assert items[0][1]["body"] == parts[0].encode()
+    assert items[1][1] == "".join(parts[1:]).encode()
+
+
+def test_coalesce_empty_stream_still_sends_a_head() -> None:
+    items = asyncio.run(_collect(_server(), _chunks([])))
+    assert len(items) == 1
+    assert items[0][1] == {"status": 200, "stream": True, "body": b""}
+
+
+def test_coalesce_engine_failure_ends_with_error_event_and_done() -> None:
+    async def failing() -> AsyncIterator[str]:
+        yield "data: 1\n\n"
+        await asyncio.sleep(0.05)
+        raise RuntimeError("engine core died")
+
+    items = asyncio.run(_collect(_server(), failing()))
+    data = _joined(items)
+    assert data.startswith(b"data: 1\n\n")
+    assert data.endswith(SSE_DONE)
+    events = [e for e in data.split(b"\n\n") if e]
+    error_event = json.loads(events[-2].removeprefix(b"data: "))
+    assert set(error_event["error"]) == {"message", "type", "param", "code"}
+    assert error_event["error"]["type"] == "server_error"
+
+
+def test_coalesce_cancelling_consumer_cancels_producer() -> None:
+    state: dict[str, bool] = {}
+
+    async def endless() -> AsyncIterator[str]:
+        try:
+            yield "data: 1\n\n"
+            await asyncio.Event().wait()
+            yield "never"
+        except asyncio.CancelledError:
+            state["cancelled"] = True
+            raise
+        finally:
+            state["closed"] = True
+
+    async def scenario() -> list[Any]:
+        got: list[Any] = []
+
+        async def consume() -> None:
+            async for item in _server()._coalesce(endless()):
+                got.append(item)
+
+        task = asyncio.create_task(consume())
+        for _ in range(200):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return got
+
+    got = asyncio.run(asyncio.wait_for(scenario(), 5))
+    assert got and got[0]["stream"] is True
+    assert state == {"cancelled": True, "closed": True}
+
+
+def test_coalesce_closing_consumer_early_cancels_producer() -> None:
+    state: dict[str, bool] = {}
+
+    async def endless() -> AsyncIterator[str]:
+        try:
+            yield "data: 1\n\n"
+            await asyncio.Event().wait()
+        finally:
+            state["closed"] = True
+
+    async def scenario() -> None:
+        agen = _server()._coalesce(endless())
+        first = await agen.__anext__()
+        assert first["stream"] is True
+        await agen.aclose()  # the client went away after the first token
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
+    assert state == {"closed": True}

@@ -1,0 +1,75 @@
+"""serve_app.engine.tiny_model: a deterministic, cached build (at most two real builds here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from serve_app.engine.tiny_model import MARKER, build_tiny_model, is_built
+
+ARTIFACTS = ("model.safetensors", "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The first build, and a snapshot of its bytes taken before any other test touches it."""
+    path = tmp_path_factory.mktemp("tiny") / "models" / "tiny-chat"
+    assert not is_built(path)
+    out = build_tiny_model(path)
+    return {"path": out, "bytes": {name: (out / name).read_bytes() for name in ARTIFACTS}}
+
+
+def test_build_returns_the_resolved_path(built: dict[str, Any]) -> None:
+    path: Path = built["path"]
+    assert path.is_absolute() and path.name == "tiny-chat"
+    assert is_built(path)
+
+
+def test_build_writes_a_loadable_model_folder(built: dict[str, Any]) -> None:
+    path: Path = built["path"]
+    for name in (*ARTIFACTS, "config.json", "tokenizer_config.json", MARKER):
+        assert (path / name).is_file(), name
+    assert not list(path.parent.glob(".tiny-build-*"))  # no half-written temp dirs left behind
+
+
+def test_config_head_dim_is_64(built: dict[str, Any]) -> None:
+    cfg = json.loads((built["path"] / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["hidden_size"] // cfg["num_attention_heads"] == 64
+    assert cfg.get("head_dim", 64) == 64
+
+
+def test_tokenizer_has_chat_template_and_special_tokens(built: dict[str, Any]) -> None:
+    path: Path = built["path"]
+    tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+    template = tok_cfg.get("chat_template") or (path / "chat_template.jinja").read_text()
+    assert "<|im_start|>" in template
+    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    assert {"<|im_start|>", "<|im_end|>", "<s>", "</s>"} <= set(vocab)
+
+
+def test_second_call_without_force_does_not_rebuild(built: dict[str, Any]) -> None:
+    path: Path = built["path"]
+    before = {name: (path / name).stat().st_mtime_ns for name in (*ARTIFACTS, MARKER)}
+    assert build_tiny_model(path) == path
+    after = {name: (path / name).stat().st_mtime_ns for name in (*ARTIFACTS, MARKER)}
+    assert after == before
+
+
+def test_forced_rebuild_is_byte_identical(built: dict[str, Any]) -> None:
+    path: Path = built["path"]
+    build_tiny_model(path, force=True)
+    for name in ARTIFACTS:
+        assert (path / name).read_bytes() == built["bytes"][name], name
+    assert is_built(path)
+
+
+def test_stale_recipe_is_not_built(tmp_path: Path) -> None:
+    (tmp_path / MARKER).write_text(json.dumps({"recipe": "0"}))
+    assert not is_built(tmp_path)
+    (tmp_path / MARKER).write_text("{not json")
+    assert not is_built(tmp_path)
+    assert not is_built(tmp_path / "missing")
