@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test unit integration clean
+.PHONY: install run test unit integration bench bench-smoke clean
 
 install: $(STAMP)
 
@@ -23,6 +23,12 @@ unit: install
 
 integration: install
 	$(PY) -m pytest tests/integration
+
+bench: install
+	$(PY) -m loadtests.bench
+
+bench-smoke: install
+	$(PY) -m loadtests.bench --smoke
 
 clean:
 	rm -rf $(VENV) .local .pytest_cache

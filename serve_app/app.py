@@ -5,7 +5,6 @@ Ray Serve config files point their ``import_path`` here; ``args`` is validated b
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from pydantic import ValidationError
@@ -18,10 +17,6 @@ from serve_app.gateway.deployment import Gateway
 
 GATEWAY_DEPLOYMENT = "gateway"
 STREAM_INTERVAL_S = 0.02
-
-
-def deployment_name(model_id: str) -> str:
-    return "model-" + re.sub(r"[^A-Za-z0-9_-]", "-", model_id)
 
 
 def parse_args(args: dict[str, Any] | AppConfig) -> AppConfig:
@@ -37,7 +32,7 @@ def parse_args(args: dict[str, Any] | AppConfig) -> AppConfig:
 def model_deployment_options(m: ModelConfig) -> dict[str, Any]:
     d = m.deployment
     opts: dict[str, Any] = {
-        "name": deployment_name(m.id),
+        "name": m.deployment_name,
         "max_ongoing_requests": d.max_ongoing_requests,
         "max_queued_requests": d.max_queued_requests,
         "health_check_period_s": d.health_check_period_s,

@@ -54,15 +54,31 @@ def _keys_path(ns: argparse.Namespace) -> Path:
 
 
 def cmd_keys(ns: argparse.Namespace) -> int:
-    from serve_app.gateway.keys import KeysFileError, create_key, read_keys_file, revoke_key
+    from serve_app.gateway.keys import (
+        KeysFileError,
+        create_key,
+        read_keys_file,
+        revoke_key,
+        rotate_key,
+    )
 
     path = _keys_path(ns)
     try:
         if ns.keys_cmd == "create":
             models = [m for m in (ns.models or "*").split(",") if m]
-            secret = create_key(path, ns.id, ns.tier, models)
+            limits = {
+                name: value
+                for name in ("rpm", "tpm", "max_concurrent", "max_tokens_cap")
+                if (value := getattr(ns, name)) is not None
+            }
+            secret = create_key(path, ns.id, ns.tier, models, tenant=ns.tenant, limits=limits)
             print(f"created key {ns.id!r} (tier {ns.tier}, models {','.join(models)}) in {path}")
             print("secret (shown once, store it now):")
+            print(secret)
+        elif ns.keys_cmd == "rotate":
+            secret = rotate_key(path, ns.id)
+            print(f"rotated key {ns.id!r} in {path}; the old secret stops working within seconds")
+            print("new secret (shown once, store it now):")
             print(secret)
         elif ns.keys_cmd == "list":
             keys = read_keys_file(path).keys
@@ -70,7 +86,8 @@ def cmd_keys(ns: argparse.Namespace) -> int:
                 print(f"no keys in {path}")
             for k in keys:
                 state = "revoked" if k.revoked else "active"
-                print(f"{k.id:24} {k.tier:10} {state:8} {','.join(k.models):24} {k.created_at}")
+                extra = f" limits={k.limits.model_dump(exclude_none=True)}" if k.limits else ""
+                print(f"{k.id:24} {k.tier:10} {state:8} {','.join(k.models):24} {k.created_at}{extra}")
         elif ns.keys_cmd == "revoke":
             revoke_key(path, ns.id)
             print(f"revoked key {ns.id!r} in {path}")
@@ -162,6 +179,10 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
     from serve_app.app import build_app
 
+    from serve_app.gateway.proxy_middleware import IMPORT_PATH
+
+    # Ray's HTTP proxy reads this when it starts: it bounds the X-Request-Id it echoes.
+    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", IMPORT_PATH)
     # Logical CPUs are scheduling tokens; engines pin their own threads (VLLM_CPU_OMP_THREADS_BIND).
     ray.init(
         num_cpus=max(8, os.cpu_count() or 1),
@@ -250,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--verbose", action="store_true", help="stream replica logs to this terminal")
     run.set_defaults(func=cmd_run)
 
-    keys = sub.add_parser("keys", help="create, list and revoke API keys")
+    keys = sub.add_parser("keys", help="create, list, rotate and revoke API keys")
     keys.add_argument("--config", default=DEFAULT_CONFIG)
     keys.add_argument("--keys-file", help="defaults to the config's gateway.keys_file")
     ksub = keys.add_subparsers(dest="keys_cmd", required=True)
@@ -258,7 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     kc.add_argument("--id", required=True)
     kc.add_argument("--tier", default="standard")
     kc.add_argument("--models", default="*", help="comma-separated model ids or aliases, or *")
+    kc.add_argument("--tenant", help="keys of one tenant share the prefix cache (default: the key id)")
+    for name in ("rpm", "tpm", "max_concurrent", "max_tokens_cap"):
+        kc.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int,
+                        help=f"override the tier's per-key {name}")
     ksub.add_parser("list", help="list keys (never secrets)")
+    kro = ksub.add_parser("rotate", help="replace a key's secret; the old one stops working")
+    kro.add_argument("--id", required=True)
     kr = ksub.add_parser("revoke", help="revoke a key")
     kr.add_argument("--id", required=True)
     keys.set_defaults(func=cmd_keys)

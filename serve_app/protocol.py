@@ -23,6 +23,7 @@ class RequestContext:
     tier: str
     priority: int = 0
     deadline: float = 0.0  # epoch seconds; 0 means none
+    tenant: str = ""  # keys of one tenant share vLLM's prefix cache; others cannot probe it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -37,9 +38,26 @@ class RequestContext:
         return max(0.001, self.deadline - time.time())
 
 
-def head(status: int, body: bytes, *, stream: bool = False) -> dict[str, Any]:
-    """The first item of every model answer: status, whether a stream follows, and the first bytes."""
-    return {"status": status, "stream": stream, "body": body}
+def head(
+    status: int, body: bytes, *, stream: bool = False, usage: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The first item of every model answer: status, whether a stream follows, the first bytes,
+    and (for a complete answer) its token usage."""
+    return {"status": status, "stream": stream, "body": body, "usage": usage}
+
+
+def trailer(usage: dict[str, Any] | None) -> dict[str, Any]:
+    """The last item of a stream: its token usage, for the gateway's accounting (never relayed)."""
+    return {"usage": usage}
+
+
+def total_tokens(usage: dict[str, Any] | None) -> int | None:
+    if not usage:
+        return None
+    total = usage.get("total_tokens")
+    if isinstance(total, int):
+        return total
+    return int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
 
 
 def sse_event(payload: bytes) -> bytes:

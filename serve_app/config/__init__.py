@@ -2,6 +2,7 @@
 
 from serve_app.config.models import (
     Accelerator,
+    Admission,
     AppConfig,
     AutoscalingConfig,
     DeploymentOptions,
@@ -9,7 +10,9 @@ from serve_app.config.models import (
     GatewayConfig,
     KeyRecord,
     KeysFile,
+    Limits,
     ModelConfig,
+    Objectives,
     TierConfig,
     format_validation_error,
     load_app_config,
@@ -17,6 +20,7 @@ from serve_app.config.models import (
 
 __all__ = [
     "Accelerator",
+    "Admission",
     "AppConfig",
     "AutoscalingConfig",
     "DeploymentOptions",
@@ -24,7 +28,9 @@ __all__ = [
     "GatewayConfig",
     "KeyRecord",
     "KeysFile",
+    "Limits",
     "ModelConfig",
+    "Objectives",
     "TierConfig",
     "format_validation_error",
     "load_app_config",

@@ -100,6 +100,13 @@ class DeploymentOptions(_Strict):
     health_check_timeout_s: PositiveFloat = 30.0
     graceful_shutdown_timeout_s: float = Field(default=20.0, ge=0)
 
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queue_limit(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("max_queued_requests (0) must be -1 (no limit) or a positive integer")
+        return v
+
     @model_validator(mode="after")
     def _one_scaling_mode(self) -> DeploymentOptions:
         if self.num_replicas is not None and self.autoscaling_config is not None:
@@ -125,6 +132,14 @@ class Accelerator(_Strict):
         return self
 
 
+class Admission(_Strict):
+    """When a model counts as saturated, for shedding tiers (see ``TierConfig.shed_at``)."""
+
+    # In-flight requests (all gateway replicas together) at which the model is saturated;
+    # None disables tier shedding for this model (Ray Serve's max_queued_requests still applies).
+    saturation_requests: PositiveInt | None = None
+
+
 class ModelConfig(_Strict):
     """One served model: one Ray Serve deployment wrapping one vLLM engine per replica."""
 
@@ -139,6 +154,9 @@ class ModelConfig(_Strict):
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
     accelerator: Accelerator = Field(default_factory=Accelerator)
     env: dict[str, str] = Field(default_factory=dict)
+    admission: Admission = Field(default_factory=Admission)
+    # Another model id that answers when this one is unavailable or its queue is full.
+    fallback: str | None = None
     startup_timeout_s: PositiveFloat = 900.0
 
     @field_validator("aliases")
@@ -159,15 +177,63 @@ class ModelConfig(_Strict):
         return self
 
     @property
+    def deployment_name(self) -> str:
+        """The Ray Serve deployment name: the id with characters Ray dislikes replaced."""
+        return "model-" + re.sub(r"[^A-Za-z0-9_-]", "-", self.id)
+
+    @property
     def world_size(self) -> int:
         return self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size
 
 
+class Limits(_Strict):
+    """Per-key (or per-tier) limits. None means unlimited."""
+
+    rpm: PositiveInt | None = None  # requests per minute
+    tpm: PositiveInt | None = None  # prompt + completion tokens per minute
+    max_concurrent: PositiveInt | None = None
+    max_tokens_cap: PositiveInt | None = None  # a request's max_tokens is clamped to this
+
+    def merged(self, override: Limits | None) -> Limits:
+        if override is None:
+            return self
+        return self.model_copy(update=override.model_dump(exclude_unset=True))
+
+
+class Objectives(_Strict):
+    """The tier's service-level objectives, checked by load tests and dashboards."""
+
+    ttft_p95_ms: PositiveFloat = 2000.0
+    tpot_p95_ms: PositiveFloat = 200.0
+
+
+class SplitTarget(_Strict):
+    model: str
+    weight: PositiveInt
+
+
+class SplitRoute(_Strict):
+    """A public model name whose traffic is split by weight across model deployments (A/B tests)."""
+
+    name: str = Field(pattern=_ID_RE)
+    split: tuple[SplitTarget, ...] = Field(min_length=1)
+
+
 class TierConfig(_Strict):
-    """An SLA tier. Limits and objectives are filled in by the tiers feature; priority maps to vLLM."""
+    """An SLA tier: a vLLM scheduling priority, objectives, limits and when to shed it.
+
+    ``priority`` becomes vLLM's request priority (lower runs first) on engines that use
+    ``scheduling_policy: priority``. ``shed_at`` is the fraction of a model's
+    ``admission.saturation_requests`` above which the gateway rejects this tier with 503: the tier
+    with the lowest ``shed_at`` is shed first, and 1.0 means the tier is never shed early.
+    """
 
     priority: int = 0
     description: str = ""
+    objectives: Objectives = Field(default_factory=Objectives)
+    limits: Limits = Field(default_factory=Limits)
+    key_limits: Limits = Field(default_factory=Limits)  # the default for each key of the tier
+    shed_at: float = Field(default=1.0, gt=0.0, le=1.0)
 
 
 class GatewayConfig(_Strict):
@@ -183,12 +249,15 @@ class GatewayConfig(_Strict):
     num_replicas: PositiveInt = 1
     max_ongoing_requests: PositiveInt = 1024
     num_cpus: float = Field(default=0.5, ge=0)
+    # Shared limit counters for several gateway replicas, e.g. redis://127.0.0.1:6379/0.
+    redis_url: str | None = None
 
 
 class AppConfig(_Strict):
     """Everything ``build_app`` needs: the ``args`` block of a Ray Serve config file."""
 
     models: tuple[ModelConfig, ...] = Field(min_length=1)
+    routes: tuple[SplitRoute, ...] = ()
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     tiers: dict[str, TierConfig] = Field(default_factory=lambda: {"standard": TierConfig()})
     default_tier: str = "standard"
@@ -204,6 +273,44 @@ class AppConfig(_Strict):
                         f"model name ({name!r}) of model {m.id!r} is already used by model {seen[name]!r}"
                     )
                 seen[name] = m.id
+        deployments: dict[str, str] = {}
+        for m in self.models:
+            other = deployments.setdefault(m.deployment_name, m.id)
+            if other != m.id:
+                raise ValueError(
+                    f"model ids ({other!r}, {m.id!r}) both become deployment {m.deployment_name!r}; "
+                    "rename one"
+                )
+        by_id = {m.id: m for m in self.models}
+        for m in self.models:
+            if m.fallback is not None:
+                fb = by_id.get(m.fallback)
+                if fb is None or fb.id == m.id or fb.task != m.task:
+                    raise ValueError(
+                        f"fallback ({m.fallback!r}) of model {m.id!r} must be another {m.task} model id"
+                    )
+        for r in self.routes:
+            if r.name in seen:
+                raise ValueError(f"route name ({r.name!r}) is already used by model {seen[r.name]!r}")
+            seen[r.name] = r.name
+            tasks = set()
+            for t in r.split:
+                if t.model not in by_id:
+                    raise ValueError(f"route {r.name!r}: split model ({t.model!r}) is not a model id")
+                tasks.add(by_id[t.model].task)
+            if len(tasks) > 1:
+                raise ValueError(f"route {r.name!r} splits across models of different tasks {tasks}")
+        limited = [
+            name
+            for name, t in self.tiers.items()
+            if any((t.limits.rpm, t.limits.tpm, t.limits.max_concurrent,
+                    t.key_limits.rpm, t.key_limits.tpm, t.key_limits.max_concurrent))
+        ]
+        if self.gateway.num_replicas > 1 and limited and not self.gateway.redis_url:
+            raise ValueError(
+                f"gateway.num_replicas ({self.gateway.num_replicas}) > 1 with limits on tiers "
+                f"{limited} needs gateway.redis_url, so that replicas share their counters"
+            )
         if self.default_tier not in self.tiers:
             raise ValueError(
                 f"default_tier ({self.default_tier!r}) is not one of tiers {sorted(self.tiers)}"
@@ -227,6 +334,13 @@ class KeyRecord(_Strict):
     models: tuple[str, ...] = ("*",)
     created_at: str = ""
     revoked: bool = False
+    # Keys that share a tenant share vLLM's prefix cache; by default each key is its own tenant.
+    tenant: str | None = None
+    limits: Limits | None = None  # overrides the tier's key_limits field by field
+
+    @property
+    def tenant_id(self) -> str:
+        return self.tenant or self.id
 
     def allows(self, model_id: str) -> bool:
         return "*" in self.models or model_id in self.models
@@ -250,7 +364,13 @@ class KeysFile(_Strict):
 def format_validation_error(err: ValidationError, root: str = "") -> str:
     """One line per problem: ``models.0.engine.max_num_seqs: Input should be greater than 0 (got 0)``."""
     lines = []
-    for e in err.errors():
+    errs = err.errors()
+    locs = [tuple(e["loc"]) for e in errs]
+    for e in errs:
+        loc_t = tuple(e["loc"])
+        # A container that fails only because an item failed adds nothing ("at least 1 item").
+        if any(len(o) > len(loc_t) and o[: len(loc_t)] == loc_t for o in locs):
+            continue
         loc = ".".join(str(p) for p in (root, *e["loc"]) if p != "")
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
@@ -262,7 +382,8 @@ def format_validation_error(err: ValidationError, root: str = "") -> str:
 def load_app_config(serve_config_path: str | Path, app_name: str | None = None) -> AppConfig:
     """Read a Ray Serve config file and validate its application's ``args``."""
     doc = yaml.safe_load(Path(serve_config_path).read_text())
-    apps = doc.get("applications") or []
+    apps = doc.get("applications") if isinstance(doc, dict) else None
+    apps = apps or []
     if not apps:
         raise ValueError(f"{serve_config_path}: no applications")
     app = next((a for a in apps if app_name in (None, a.get("name"))), None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -19,7 +20,7 @@ from pydantic import ValidationError
 
 from serve_app import errors
 from serve_app.config import ModelConfig
-from serve_app.protocol import SSE_DONE, RequestContext, head, sse_event
+from serve_app.protocol import SSE_DONE, RequestContext, head, sse_event, trailer
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,14 @@ def _validation_error(err: ValidationError) -> errors.InvalidRequest:
     msg = first["msg"].removeprefix("Value error, ")
     where = ".".join(loc)
     return errors.InvalidRequest(f"{where}: {msg}" if where else msg, param=param)
+
+
+def _usage_of(event: str) -> dict[str, Any] | None:
+    try:
+        usage = json.loads(event.removeprefix("data: "))["usage"]
+        return usage if isinstance(usage, dict) else None
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _error_item(exc: errors.ServeAppError) -> dict[str, Any]:
@@ -169,7 +178,9 @@ class EngineServer:
         except Exception as exc:  # vLLM raises for bad input (too long, empty, ...)
             yield _error_item(self._map_exception(exc, "input"))
             return
-        yield head(response.status_code, bytes(response.body))
+        data = bytes(response.body)
+        usage = json.loads(data).get("usage") if response.status_code == 200 else None
+        yield head(response.status_code, data, usage=usage)
 
     # ---- internals ---------------------------------------------------------------------------
     def _wrong_task(self, endpoint: str) -> errors.InvalidRequest:
@@ -188,14 +199,25 @@ class EngineServer:
             logger.exception("unmapped engine error for %s", self.cfg.id)
             return errors.InternalError("the engine failed to process the request")
 
-    def _prepare(self, request_cls: Any, body: dict[str, Any], ctx: RequestContext) -> Any:
+    def _prepare(self, request_cls: Any, body: dict[str, Any], ctx: RequestContext) -> tuple[Any, bool]:
+        """vLLM's request object, and whether the client asked for the stream's usage chunk."""
         body = dict(body)
         body["model"] = self.cfg.id  # the gateway resolved aliases; vLLM knows only the id
         if self.cfg.engine.scheduling_policy == "priority":
             body["priority"] = ctx.priority
+        if ctx.tenant:
+            body["cache_salt"] = hashlib.sha256(ctx.tenant.encode()).hexdigest()[:32]
+        wants_usage = True
+        if body.get("stream") is True:
+            opts = body.get("stream_options")
+            opts = dict(opts) if isinstance(opts, dict) else {}
+            wants_usage = bool(opts.get("include_usage"))
+            # Always ask vLLM for the usage chunk: the gateway accounts tokens from it.
+            opts["include_usage"] = True
+            body["stream_options"] = opts
         request = request_cls.model_validate(body)
         request.request_id = ctx.request_id
-        return request
+        return request, wants_usage
 
     async def _generate(
         self,
@@ -210,7 +232,7 @@ class EngineServer:
             yield _error_item(self._wrong_task("chat or text completions"))
             return
         try:
-            request = self._prepare(request_cls, body, ctx)
+            request, wants_usage = self._prepare(request_cls, body, ctx)
             result = await getattr(serving, method)(request, raw_request=None)
         except ValidationError as exc:
             yield _error_item(_validation_error(exc))
@@ -220,7 +242,7 @@ class EngineServer:
             return
 
         if isinstance(result, AsyncIterator):
-            async for item in self._coalesce(result):
+            async for item in self._coalesce(result, wants_usage):
                 yield item
             return
         error = getattr(result, "error", None)
@@ -229,10 +251,13 @@ class EngineServer:
                 to_openai_error(int(error.code), error.message, error.param, main_param)
             )
             return
-        yield head(200, result.model_dump_json(exclude_unset=False).encode())
+        usage = result.usage.model_dump() if getattr(result, "usage", None) else None
+        yield head(200, result.model_dump_json(exclude_unset=False).encode(), usage=usage)
 
-    async def _coalesce(self, chunks: AsyncIterator[str]) -> AsyncIterator[Any]:
+    async def _coalesce(self, chunks: AsyncIterator[str], wants_usage: bool = True) -> AsyncIterator[Any]:
         """Relay vLLM's SSE strings as few messages: the first at once, then at most one per interval.
+
+        The usage chunk is read for the trailer (and dropped if the client did not ask for it).
 
         A pump task drains the engine into a queue; the consumer sleeps out the rest of the interval
         after each flush and then takes everything queued. If the consumer is cancelled (the client
@@ -254,6 +279,7 @@ class EngineServer:
         task = asyncio.create_task(pump())
         first = True
         last_flush = 0.0
+        usage: dict[str, Any] | None = None
         try:
             while True:
                 item = await queue.get()
@@ -272,7 +298,12 @@ class EngineServer:
                         parts.append(SSE_DONE)
                         done = True
                         break
-                    parts.append(item.encode())
+                    if '"usage":{' in item and '"choices":[]' in item:
+                        usage = _usage_of(item)
+                        if not wants_usage:
+                            item = ""
+                    if item:
+                        parts.append(item.encode())
                     if queue.empty():
                         break
                     item = queue.get_nowait()
@@ -284,6 +315,7 @@ class EngineServer:
                     yield data
                 last_flush = time.monotonic()
                 if done:
+                    yield trailer(usage)
                     return
         finally:
             if not task.done():

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,15 +17,20 @@ from starlette.responses import JSONResponse, Response
 
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
+from serve_app.gateway.admission import Admission
 from serve_app.gateway.auth import bearer_token
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.keys import KeyStore
 from serve_app.gateway.routing import Route, Router
-from serve_app.protocol import RequestContext
+from serve_app.gateway.usage import Outcome, Usage
+from serve_app.protocol import RequestContext, total_tokens
 
 logger = logging.getLogger("ray.serve")
 
-_REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# Fields that would point an upstream elsewhere or hand it other credentials (LiteLLM-style
+# passthrough). The gateway owns routing and credentials, so these are refused outright.
+FORBIDDEN_FIELDS = ("api_base", "base_url", "api_key", "extra_headers", "headers", "api_version",
+                    "organization", "custom_llm_provider")
 _CREATED = int(time.time())
 
 
@@ -37,12 +42,8 @@ class GatewayDeps:
     keys: KeyStore
     router: Router
     forwarder: Forwarder
-
-
-def client_request_id(request: Request) -> str:
-    """The caller's X-Request-Id if it is short and plain, else a fresh one (no CR/LF ever echoed)."""
-    given = request.headers.get("x-request-id", "")
-    return given if _REQUEST_ID_OK.match(given) else uuid.uuid4().hex
+    admission: Admission
+    usage: Usage
 
 
 def build_api(deps: GatewayDeps) -> FastAPI:
@@ -63,7 +64,8 @@ def build_api(deps: GatewayDeps) -> FastAPI:
             raise errors.AuthenticationFailed("Incorrect API key provided.")
         return key
 
-    async def read_json(request: Request, d: GatewayDeps) -> dict[str, Any]:
+    async def read_json(request: Request, d: GatewayDeps) -> tuple[dict[str, Any], int]:
+        """The JSON object body and its size in bytes."""
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/json":
             raise errors.UnsupportedMediaType(
@@ -84,31 +86,68 @@ def build_api(deps: GatewayDeps) -> FastAPI:
             raise errors.InvalidRequest(f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise errors.InvalidRequest("request body must be a JSON object")
-        return body
+        for name in FORBIDDEN_FIELDS:
+            if name in body:
+                raise errors.InvalidRequest(
+                    f"'{name}' is not accepted: this gateway chooses the upstream and its credentials",
+                    param=name,
+                )
+        return body, len(raw)
 
     async def relay(
         request: Request, key: KeyRecord, d: GatewayDeps, method: str, task: str
     ) -> Response:
-        body = await read_json(request, d)
+        body, size = await read_json(request, d)
         route = d.router.resolve(body.get("model"), key)
         if route.task != task:
             raise errors.InvalidRequest(
                 f"model `{route.name}` is a {route.task} model and does not serve this endpoint",
                 param="model",
             )
-        tier = d.cfg.tiers.get(key.tier) or d.cfg.tiers[d.cfg.default_tier]
+        model_id = route.pick()
+        try:
+            ticket = await d.admission.admit(key, model_id, body, size)
+        except (errors.RateLimited, errors.ServiceUnavailable) as exc:
+            reason = "rate_limit" if isinstance(exc, errors.RateLimited) else "shed"
+            await d.usage.rejected(key, model_id, reason)
+            raise
+        tier = d.admission.tier(key)
         ctx = RequestContext(
             request_id=uuid.uuid4().hex,
             key_id=key.id,
             tier=key.tier,
             priority=tier.priority,
             deadline=time.time() + d.cfg.gateway.request_timeout_s,
+            tenant=key.tenant_id,
         )
-        headers = {
-            "x-request-id": client_request_id(request),
-            "x-served-by": route.model_id,
-        }
-        return await d.forwarder.forward(route.model_id, method, body, ctx, headers)
+        # x-request-id is set by Ray Serve's proxy (bounded by gateway/proxy_middleware.py).
+        headers = {"x-served-by": model_id, **ticket.headers}
+        fallback = d.router.fallback(model_id)
+        retry = {"pending": fallback is not None}
+
+        async def on_done(out: Outcome) -> None:
+            if out.status == 503 and retry["pending"]:
+                return  # the fallback attempt settles this ticket
+            used = total_tokens(out.usage)
+            if used is None and out.events:
+                # A stream cut short: charge the prompt estimate and what was sent (~1 token/event).
+                used = ticket.reserved_tokens - ticket.completion_tokens + out.events
+            await d.admission.settle(ticket, used)
+            if out.status == 503:
+                await d.usage.rejected(key, model_id, "backpressure")
+            else:
+                await d.usage.finished(key, tier, model_id, out)
+
+        try:
+            return await d.forwarder.forward(model_id, method, body, ctx, headers, on_done)
+        except errors.ServiceUnavailable:
+            if fallback is None:
+                raise
+        logger.warning("model %s unavailable; falling back to %s", model_id, fallback)
+        headers["x-served-by"] = fallback
+        retry["pending"] = False  # whatever the fallback answers settles the ticket
+        second = dataclasses.replace(ctx, request_id=uuid.uuid4().hex)
+        return await d.forwarder.forward(fallback, method, body, second, headers, on_done)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -119,6 +158,13 @@ def build_api(deps: GatewayDeps) -> FastAPI:
         key: KeyRecord = Depends(authenticate), d: GatewayDeps = Depends(get_deps)
     ) -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(r) for r in d.router.visible(key)]}
+
+    @app.get("/v1/usage")
+    async def usage(
+        key: KeyRecord = Depends(authenticate), d: GatewayDeps = Depends(get_deps)
+    ) -> dict[str, Any]:
+        """The calling key's own totals: requests, tokens, rejections by reason, SLO misses."""
+        return await d.usage.report(key)
 
     @app.get("/v1/models/{model:path}")
     async def get_model(
@@ -176,7 +222,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = {404: "Unknown path.", 405: "Method not allowed for this path."}.get(
             exc.status_code, str(exc.detail)
         )
-        return error_response(cls(message))
+        err = cls(message, headers=dict(exc.headers or {}))  # keeps e.g. 405's Allow header
+        return error_response(err)
 
     async def on_validation_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)

@@ -9,10 +9,14 @@ from fastapi import FastAPI
 from ray import serve
 
 from serve_app.config import AppConfig
+from serve_app.gateway.admission import Admission
 from serve_app.gateway.api import GatewayDeps, build_api
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.keys import KeyStore
+from serve_app.gateway.limits import LimitBackend, MemoryBackend, RedisBackend
 from serve_app.gateway.routing import Router
+from serve_app.gateway.usage import MemoryUsageStore, RedisUsageStore, Usage, UsageStore
+from serve_app.metrics import GatewayMetrics
 
 
 @serve.deployment
@@ -22,11 +26,16 @@ class Gateway:
 
     def __init__(self, app_config: dict[str, Any], handles: dict[str, Any]) -> None:
         cfg = AppConfig.model_validate(app_config)
+        redis_url = cfg.gateway.redis_url
+        backend: LimitBackend = RedisBackend(redis_url) if redis_url else MemoryBackend()
+        store: UsageStore = RedisUsageStore(redis_url) if redis_url else MemoryUsageStore()
         self.deps = GatewayDeps(
             cfg=cfg,
             keys=KeyStore(Path(cfg.gateway.keys_file), cfg.gateway.keys_reload_interval_s),
             router=Router(cfg),
             forwarder=Forwarder(handles, cfg.gateway),
+            admission=Admission(cfg, backend),
+            usage=Usage(store, GatewayMetrics.create()),
         )
 
     def __serve_build_asgi_app__(self) -> FastAPI:

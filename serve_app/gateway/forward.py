@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -24,6 +25,7 @@ from starlette.responses import Response, StreamingResponse
 
 from serve_app import errors
 from serve_app.config import GatewayConfig
+from serve_app.gateway.usage import Outcome
 from serve_app.protocol import SSE_DONE, RequestContext, sse_event
 
 logger = logging.getLogger("ray.serve")
@@ -31,6 +33,13 @@ logger = logging.getLogger("ray.serve")
 _UNAVAILABLE = (DeploymentUnavailableError, ReplicaUnavailableError, RayActorError)
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+# Called exactly once when a request ends, however it ends.
+OnDone = Callable[[Outcome], Awaitable[None]]
+
+
+async def _nothing(_: Outcome) -> None:
+    return None
 
 
 class Forwarder:
@@ -41,6 +50,7 @@ class Forwarder:
             model_id: h.options(stream=True) for model_id, h in handles.items()
         }
         self.cfg = cfg
+        self._pending: set[asyncio.Task[None]] = set()
 
     def _unavailable(self, model_id: str, why: str) -> errors.ServiceUnavailable:
         return errors.ServiceUnavailable(
@@ -55,6 +65,29 @@ class Forwarder:
         body: dict[str, Any],
         ctx: RequestContext,
         headers: dict[str, str],
+        on_done: OnDone = _nothing,
+    ) -> Response:
+        """Call the model; ``on_done`` runs exactly once, however the request ends."""
+        start = time.monotonic()
+        try:
+            response = await self._forward(model_id, method, body, ctx, headers, on_done, start)
+        except errors.ServeAppError as exc:
+            await on_done(Outcome(status=exc.status))
+            raise
+        except BaseException:
+            await on_done(Outcome(status=499))  # the client went away before an answer
+            raise
+        return response
+
+    async def _forward(
+        self,
+        model_id: str,
+        method: str,
+        body: dict[str, Any],
+        ctx: RequestContext,
+        headers: dict[str, str],
+        on_done: OnDone,
+        start: float,
     ) -> Response:
         handle = self._handles[model_id]
         gen = getattr(handle, method).remote(body, ctx.to_dict())
@@ -76,19 +109,26 @@ class Forwarder:
             logger.error("model %s failed: %s", model_id, exc.__class__.__name__)
             raise self._unavailable(model_id, "failing") from None
 
+        ttft = time.monotonic() - start
         if first["stream"]:
             return StreamingResponse(
-                self._relay(model_id, first["body"], gen),
+                self._relay(model_id, first["body"], gen, on_done, start, ttft),
                 media_type="text/event-stream",
                 headers={**headers, **STREAM_HEADERS},
             )
         gen.cancel()  # the answer is complete; release the stream promptly
+        await on_done(Outcome(status=first["status"], usage=first.get("usage"),
+                              ttft_s=None, duration_s=ttft))
         return Response(
             first["body"], status_code=first["status"], media_type="application/json", headers=headers
         )
 
-    async def _relay(self, model_id: str, first: bytes, gen: Any) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, model_id: str, first: bytes, gen: Any, on_done: OnDone, start: float, ttft: float
+    ) -> AsyncIterator[bytes]:
         finished = False
+        usage: dict[str, Any] | None = None
+        events = first.count(b"data: ")
         try:
             if first:
                 yield first
@@ -99,6 +139,10 @@ class Forwarder:
                 except StopAsyncIteration:
                     finished = True
                     return
+                if isinstance(chunk, dict):  # the trailer: accounting only, never relayed
+                    usage = chunk.get("usage")
+                    continue
+                events += chunk.count(b"data: ")
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit, RequestCancelledError):
             raise
@@ -110,8 +154,16 @@ class Forwarder:
             else:
                 logger.error("stream from %s broke: %s", model_id, exc.__class__.__name__)
                 err = self._unavailable(model_id, "unavailable")
+            gen.cancel()  # stop the model's work before telling the client
             finished = True
             yield sse_event(json.dumps(err.to_body()).encode()) + SSE_DONE
         finally:
             if not finished:
                 gen.cancel()
+            # Runs even when the client went away mid-stream: a task, since this frame may be
+            # closing under cancellation.
+            outcome = Outcome(status=200, usage=usage, events=events, ttft_s=ttft,
+                              duration_s=time.monotonic() - start)
+            task = asyncio.get_running_loop().create_task(on_done(outcome))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)

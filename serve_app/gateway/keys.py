@@ -38,7 +38,7 @@ def read_keys_file(path: Path) -> KeysFile:
 def write_keys_file(path: Path, keys: KeysFile) -> None:
     """Atomic replace, so a gateway reloading at the same moment sees the old or the new file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"keys": [k.model_dump() for k in keys.keys]}
+    doc = {"keys": [k.model_dump(exclude_none=True) for k in keys.keys]}
     for k in doc["keys"]:
         k["models"] = list(k["models"])
     fd, tmp = tempfile.mkstemp(prefix=".keys-", dir=path.parent)
@@ -49,20 +49,53 @@ def write_keys_file(path: Path, keys: KeysFile) -> None:
     os.replace(tmp, path)
 
 
-def create_key(path: Path, key_id: str, tier: str, models: list[str]) -> str:
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def create_key(
+    path: Path,
+    key_id: str,
+    tier: str,
+    models: list[str],
+    *,
+    tenant: str | None = None,
+    limits: dict[str, int] | None = None,
+) -> str:
     """Add a key and return its secret, which exists nowhere else afterwards."""
     keys = read_keys_file(path)
     if any(k.id == key_id for k in keys.keys):
         raise KeysFileError(f"key id {key_id!r} already exists; revoke it or choose another id")
     secret = new_secret()
-    record = KeyRecord(
-        id=key_id,
-        digest=digest(secret),
-        tier=tier,
-        models=tuple(models) or ("*",),
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    )
+    try:
+        record = KeyRecord.model_validate(
+            {
+                "id": key_id,
+                "digest": digest(secret),
+                "tier": tier,
+                "models": tuple(models) or ("*",),
+                "created_at": _now(),
+                "tenant": tenant,
+                "limits": limits or None,
+            }
+        )
+    except ValidationError as exc:
+        raise KeysFileError(format_validation_error(exc, "key")) from None
     write_keys_file(path, KeysFile(keys=(*keys.keys, record)))
+    return secret
+
+
+def rotate_key(path: Path, key_id: str) -> str:
+    """Give a key a new secret: the new one works and the old one stops, as soon as gateways reload."""
+    keys = read_keys_file(path)
+    if not any(k.id == key_id and not k.revoked for k in keys.keys):
+        raise KeysFileError(f"no active key with id {key_id!r} in {path}")
+    secret = new_secret()
+    updated = tuple(
+        k.model_copy(update={"digest": digest(secret), "created_at": _now()}) if k.id == key_id else k
+        for k in keys.keys
+    )
+    write_keys_file(path, KeysFile(keys=updated))
     return secret
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.config import AppConfig, KeyRecord
@@ -12,8 +13,18 @@ from serve_app.errors import InvalidRequest, ModelNotFound
 @dataclass(frozen=True)
 class Route:
     name: str  # what the client asked for
-    model_id: str  # the deployment that serves it
+    model_id: str  # the first (or only) model behind it
     task: str
+    # Weighted targets for a split route; empty for a plain model id or alias.
+    split: tuple[tuple[str, int], ...] = ()
+    _rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
+
+    def pick(self) -> str:
+        """The model deployment for this request (weighted choice on a split route)."""
+        if not self.split:
+            return self.model_id
+        ids = [m for m, _ in self.split]
+        return self._rng.choices(ids, weights=[w for _, w in self.split])[0]
 
 
 class Router:
@@ -21,9 +32,19 @@ class Router:
 
     def __init__(self, cfg: AppConfig) -> None:
         self._routes: dict[str, Route] = {}
+        tasks = {m.id: m.task for m in cfg.models}
+        self._fallback = {m.id: m.fallback for m in cfg.models}
         for m in cfg.models:
             for name in (m.id, *m.aliases):
                 self._routes[name] = Route(name=name, model_id=m.id, task=m.task)
+        for r in cfg.routes:
+            split = tuple((t.model, t.weight) for t in r.split)
+            self._routes[r.name] = Route(
+                name=r.name, model_id=split[0][0], task=tasks[split[0][0]], split=split
+            )
+
+    def fallback(self, model_id: str) -> str | None:
+        return self._fallback.get(model_id)
 
     def _visible(self, route: Route, key: KeyRecord) -> bool:
         return key.allows(route.name) or key.allows(route.model_id)

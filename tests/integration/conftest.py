@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,13 +20,18 @@ import pytest
 import yaml
 
 from serve_app.gateway.keys import create_key
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 900
 MAX_MODEL_LEN = 2048  # as in configs/local.yaml
 MAX_BODY_BYTES = 256 * 1024
-MAX_ONGOING = 8
+# The engine runs 4 sequences at once, so requests queue inside vLLM, where tier priority decides.
+MAX_NUM_SEQS = 4
+MAX_ONGOING = 16
 MAX_QUEUED = 8
+SATURATION = 12  # batch (shed_at 0.5) is shed above 6 requests in flight
+GATEWAY_REPLICAS = 2
 
 
 @dataclass
@@ -38,34 +42,42 @@ class Stack:
     log: Path
     workdir: Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    @property
+    def keys_file(self) -> Path:
+        return self.workdir / "keys.yaml"
 
 
-def _test_config(workdir: Path, port: int) -> Path:
+def _test_config(workdir: Path, port: int, redis_url: str) -> Path:
     doc = yaml.safe_load((ROOT / "configs/local.yaml").read_text())
     doc["http_options"] = {"host": "127.0.0.1", "port": port}
     args: dict[str, Any] = doc["applications"][0]["args"]
-    args["gateway"].update(keys_file=str(workdir / "keys.yaml"), max_body_bytes=MAX_BODY_BYTES)
+    args["gateway"].update(
+        keys_file=str(workdir / "keys.yaml"),
+        max_body_bytes=MAX_BODY_BYTES,
+        num_replicas=GATEWAY_REPLICAS,
+        num_cpus=0.25,
+        redis_url=redis_url,
+        keys_reload_interval_s=1.0,
+    )
     tiny = next(m for m in args["models"] if m["id"] == "tiny-chat")
-    tiny["engine"]["max_model_len"] = MAX_MODEL_LEN
+    tiny["engine"].update(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+                          enable_prefix_caching=True)
+    tiny["frontend"] = {"enable_prompt_tokens_details": True}
     tiny["deployment"].update(max_ongoing_requests=MAX_ONGOING, max_queued_requests=MAX_QUEUED)
+    tiny["admission"] = {"saturation_requests": SATURATION}
     path = workdir / "serve.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("stack")
-    port = _free_port()
-    config = _test_config(workdir, port)
+    port = free_port()
+    config = _test_config(workdir, port, redis_url)
     keys_file = workdir / "keys.yaml"
     keys = {
-        "all": create_key(keys_file, "all", "standard", ["*"]),
+        "all": create_key(keys_file, "all", "premium", ["*"]),
         "embed-only": create_key(keys_file, "embed-only", "standard", ["minilm-embed"]),
     }
     log = workdir / "stack.log"

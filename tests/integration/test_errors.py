@@ -123,7 +123,7 @@ def test_back_pressure_is_503_with_retry_after(stack) -> None:
             headers={"Authorization": f"Bearer {stack.keys['all']}"},
             limits=httpx.Limits(max_connections=100),
         ) as client:
-            return await asyncio.gather(*[one(client) for _ in range(3 * (MAX_ONGOING + MAX_QUEUED))])
+            return await asyncio.gather(*[one(client) for _ in range(2 * (MAX_ONGOING + MAX_QUEUED))])
 
     responses = asyncio.run(burst())
     codes = [r.status_code for r in responses]

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 from ray.serve._private.build_app import build_app as ray_build_app
 from ray.serve.config import AutoscalingConfig as RayAutoscalingConfig
 
-from serve_app.app import build_app, deployment_name, model_deployment_options, parse_args
+from serve_app.app import build_app, model_deployment_options, parse_args
 from serve_app.config import AppConfig, ModelConfig, load_app_config
 from serve_app.engine.deployment import ModelServer
 
@@ -24,7 +25,14 @@ def _cfg(**over: Any) -> ModelConfig:
 
 
 def test_deployment_name_is_ray_safe() -> None:
-    assert deployment_name("org/Model-1.5") == "model-org-Model-1-5"
+    assert _cfg().deployment_name == "model-org-Model-1-5"
+
+
+def test_ids_that_would_share_a_deployment_name_are_rejected() -> None:
+    with pytest.raises(ValidationError, match="both become deployment 'model-a-b'"):
+        AppConfig.model_validate(
+            {"models": [{"id": "a.b", "source": "x"}, {"id": "a-b", "source": "y"}]}
+        )
 
 
 def test_fixed_replicas_default_to_one() -> None:
@@ -95,4 +103,4 @@ def test_shipped_config_builds_gateway_plus_one_deployment_per_model(path: Path)
     built = ray_build_app(build_app(cfg), name="llm")
     names = {d.name for d in built.deployments}
     assert built.ingress_deployment_name == "gateway"
-    assert names == {"gateway"} | {deployment_name(m.id) for m in cfg.models}
+    assert names == {"gateway"} | {m.deployment_name for m in cfg.models}

@@ -177,10 +177,18 @@ async def _collect(server: EngineServer, source: AsyncIterator[str]) -> list[tup
     return [(time.monotonic() - t0, item) async for item in server._coalesce(source)]
 
 
-def _joined(items: list[tuple[float, Any]]) -> bytes:
-    head, rest = items[0][1], [i for _, i in items[1:]]
+def _relayed(items: list[tuple[float, Any]]) -> list[bytes]:
+    """The bytes messages after the head; the stream may end with a dict trailer (usage only)."""
+    rest = [i for _, i in items[1:]]
+    if rest and isinstance(rest[-1], dict):
+        assert set(rest[-1]) == {"usage"}  # accounting for the gateway, never SSE
+        rest = rest[:-1]
     assert all(isinstance(b, bytes) for b in rest)
-    return head["body"] + b"".join(rest)
+    return rest
+
+
+def _joined(items: list[tuple[float, Any]]) -> bytes:
+    return items[0][1]["body"] + b"".join(_relayed(items))
 
 
 def test_coalesce_first_item_is_stream_head_with_first_chunk() -> None:
@@ -205,15 +213,15 @@ def test_coalesce_batches_chunks_within_the_interval() -> None:
     parts = ["data: a\n\n", "data: b\n\n", "data: c\n\n", "data: d\n\n"]
     items = asyncio.run(_collect(_server(0.4), _chunks(parts, [0.0, 0.02, 0.01, 0.01])))
     # The first chunk at once, then the rest together after the interval.
-    assert len(items) == 2
     assert items[0][1]["body"] == parts[0].encode()
-    assert items[1][1] == "".join(parts[1:]).encode()
+    assert _relayed(items) == ["".join(parts[1:]).encode()]
 
 
 def test_coalesce_empty_stream_still_sends_a_head() -> None:
     items = asyncio.run(_collect(_server(), _chunks([])))
-    assert len(items) == 1
-    assert items[0][1] == {"status": 200, "stream": True, "body": b""}
+    first = items[0][1]
+    assert (first["status"], first["stream"], first["body"]) == (200, True, b"")
+    assert _relayed(items) == []
 
 
 def test_coalesce_engine_failure_ends_with_error_event_and_done() -> None:
@@ -246,7 +254,7 @@ def test_coalesce_cancelling_consumer_cancels_producer() -> None:
         finally:
             state["closed"] = True
 
-    async def scenario() -> list[Any]:
+    async def scenario() -> tuple[list[Any], dict[str, bool]]:
         got: list[Any] = []
 
         async def consume() -> None:
@@ -261,11 +269,12 @@ def test_coalesce_cancelling_consumer_cancels_producer() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        return got
+        # Checked inside the loop: asyncio.run would cancel a leftover producer on its own.
+        return got, dict(state)
 
-    got = asyncio.run(asyncio.wait_for(scenario(), 5))
+    got, seen = asyncio.run(asyncio.wait_for(scenario(), 5))
     assert got and got[0]["stream"] is True
-    assert state == {"cancelled": True, "closed": True}
+    assert seen == {"cancelled": True, "closed": True}
 
 
 def test_coalesce_closing_consumer_early_cancels_producer() -> None:
@@ -278,11 +287,32 @@ def test_coalesce_closing_consumer_early_cancels_producer() -> None:
         finally:
             state["closed"] = True
 
-    async def scenario() -> None:
+    async def scenario() -> dict[str, bool]:
         agen = _server()._coalesce(endless())
         first = await agen.__anext__()
         assert first["stream"] is True
         await agen.aclose()  # the client went away after the first token
+        return dict(state)
 
-    asyncio.run(asyncio.wait_for(scenario(), 5))
-    assert state == {"closed": True}
+    assert asyncio.run(asyncio.wait_for(scenario(), 5)) == {"closed": True}
+
+
+# vLLM serialises its chunks as compact JSON.
+USAGE_EVENT = (
+    'data: {"id":"c1","choices":[],'
+    '"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}\n\n'
+)
+
+
+@pytest.mark.parametrize("wants_usage", [True, False])
+def test_coalesce_reports_usage_and_relays_it_only_when_asked(wants_usage: bool) -> None:
+    parts = ['data: {"id":"c1","choices":[{"index":0}]}\n\n', USAGE_EVENT, "data: [DONE]\n\n"]
+
+    async def run() -> list[Any]:
+        return [i async for i in _server()._coalesce(_chunks(parts), wants_usage)]
+
+    items = asyncio.run(run())
+    assert items[-1] == {"usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    relayed = items[0]["body"] + b"".join(i for i in items[1:-1])
+    assert (USAGE_EVENT.encode() in relayed) is wants_usage
+    assert relayed.startswith(parts[0].encode()) and relayed.endswith(SSE_DONE)

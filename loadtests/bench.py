@@ -1,0 +1,341 @@
+"""Streaming through the gateway against direct vLLM, measured by vLLM's own benchmark.
+
+``python -m loadtests.bench`` starts vLLM's OpenAI server with the app's engine arguments for one
+model, and the full stack (``serve-app run``: Ray Serve, gateway, keys) unless ``--gateway-url`` and
+``--api-key`` name a running one. It then runs ``vllm.benchmarks.serve`` (the code behind
+``vllm bench serve``) against both with the same seed, prompts and fixed output lengths, at each
+concurrency and for each repeat, and reports medians, the gateway/direct ratios and the gateway
+replica's peak RSS. It fails (exit 1) if a request failed or an output token count differs.
+
+Results: ``results/bench-<timestamp>.json`` and ``.md``; vLLM's own console output goes to
+``results/bench-<timestamp>.log``. All traffic goes to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from loadtests import bench_procs as procs
+from loadtests import bench_report as report
+from loadtests.bench_procs import ROOT, Proc, say
+
+ENDPOINTS = {"openai-chat": "/v1/chat/completions", "openai": "/v1/completions"}
+FULL = {"concurrency": "1,16,64", "input_len": 128, "output_len": 64, "repeats": 3}
+SMOKE = {"concurrency": "1,4", "input_len": 32, "output_len": 16, "repeats": 1, "num_prompts": 8}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtests.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/local.yaml", help="Ray Serve config file of the app")
+    p.add_argument("--model", default="tiny-chat", help="model id in the config")
+    p.add_argument("--concurrency", help=f"comma-separated (default {FULL['concurrency']}; "
+                                         f"--smoke: {SMOKE['concurrency']})")
+    p.add_argument("--num-prompts", type=int,
+                   help="requests per run (default: max(32, 8 x concurrency); --smoke: 8)")
+    p.add_argument("--input-len", type=int, help=f"prompt tokens (default {FULL['input_len']})")
+    p.add_argument("--output-len", type=int, help=f"output tokens (default {FULL['output_len']})")
+    p.add_argument("--repeats", type=int, help=f"runs per side and concurrency; medians are "
+                                               f"reported (default {FULL['repeats']})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", choices=sorted(ENDPOINTS), default="openai-chat",
+                   help="vLLM bench backend: streaming chat or text completions")
+    p.add_argument("--gateway-url", help="use this running stack (e.g. http://127.0.0.1:8000/v1)")
+    p.add_argument("--api-key", help="key for --gateway-url")
+    p.add_argument("--ray-address", help="GCS address of the stack's Ray cluster, for the RSS "
+                                         "(default: found from the process listening on the gateway port)")
+    p.add_argument("--results-dir", default=str(ROOT / "results"))
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per benchmark run")
+    p.add_argument("--smoke", action="store_true",
+                   help="quick check: concurrency 1 and 4, 8 prompts of 16 tokens, 1 repeat")
+    ns = p.parse_args(argv)
+    defaults = SMOKE if ns.smoke else FULL
+    for k, v in defaults.items():
+        if getattr(ns, k, None) is None:
+            setattr(ns, k, v)
+    if bool(ns.gateway_url) != bool(ns.api_key):
+        p.error("--gateway-url and --api-key go together")
+    ns.concurrencies = [int(c) for c in str(ns.concurrency).split(",") if c.strip()]
+    if not ns.concurrencies or min(ns.concurrencies) < 1 or ns.repeats < 1:
+        p.error("--concurrency needs positive integers and --repeats at least 1")
+    return ns
+
+
+def prompts_for(ns: argparse.Namespace, c: int) -> int:
+    return ns.num_prompts or max(32, 8 * c)
+
+
+# ---- one benchmark run ------------------------------------------------------------------------------
+def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, model_id: str,
+            model_path: str, c: int, repeat: int, log: Path, stamp: str) -> dict[str, Any]:
+    """One ``vllm.benchmarks.serve`` run, in this process; its console output goes to ``log``."""
+    from vllm.benchmarks.serve import add_cli_args, main_async
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    n = prompts_for(ns, c)
+    argv = [
+        "--backend", ns.backend, "--base-url", root_url, "--endpoint", ENDPOINTS[ns.backend],
+        "--model", model_id, "--tokenizer", model_path,
+        "--dataset-name", "random", "--random-input-len", str(ns.input_len),
+        "--random-output-len", str(ns.output_len), "--num-prompts", str(n), "--seed", str(ns.seed),
+        "--max-concurrency", str(c), "--ignore-eos", "--temperature", "0",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--num-warmups", str(min(c, 8)), "--disable-tqdm", "--save-detailed",
+        "--request-id-prefix", f"bench-{stamp}-{side}-r{repeat}-c{c}-",
+        "--label", f"{side}-c{c}-r{repeat}",
+    ]
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(argv)
+    # vLLM's request functions send `Authorization: Bearer $OPENAI_API_KEY` (lib/endpoint_request_func.py).
+    saved = os.environ.pop("OPENAI_API_KEY", None)
+    if key:
+        os.environ["OPENAI_API_KEY"] = key
+    t0 = time.monotonic()
+    try:
+        with open(log, "a") as out, contextlib.redirect_stdout(out):
+            print(f"\n===== {side} concurrency={c} repeat={repeat} prompts={n} =====", flush=True)
+            result = asyncio.run(asyncio.wait_for(main_async(args), ns.run_timeout))
+        metrics = report.run_metrics(result)
+        texts = list(result.get("generated_texts") or [])
+    except asyncio.TimeoutError:
+        metrics, texts = report.failed_run(f"run timed out after {ns.run_timeout:.0f} s"), []
+    except Exception as exc:  # a run that raises counts as all requests failed
+        metrics, texts = report.failed_run(f"{type(exc).__name__}: {exc}"), []
+    finally:
+        os.environ.pop("OPENAI_API_KEY", None)
+        if saved is not None:
+            os.environ["OPENAI_API_KEY"] = saved
+    say(f"  {side:7} c={c:<3} repeat {repeat}: {metrics['output_tok_s']:7.0f} tok/s  "
+        f"{metrics['req_s']:6.2f} req/s  TTFT p50 {metrics['ttft_p50_ms']:7.1f} ms  "
+        f"TPOT p50 {metrics['tpot_p50_ms']:6.2f} ms  {metrics['completed']}/{n} ok, "
+        f"{metrics['total_output_tokens']} tokens  ({time.monotonic() - t0:.0f} s)")
+    for e in metrics["errors"]:
+        say(f"    error: {e}")
+    return {"metrics": metrics, "texts": texts, "num_prompts": n}
+
+
+# ---- the gateway replica's RSS ------------------------------------------------------------------------
+def gateway_rss(ray_address: str | None, workdir: Path) -> int | None:
+    """The gateway replica's peak RSS, asked through Ray in a separate process (with a timeout)."""
+    if ray_address is None:
+        say("WARNING: cannot tell which Ray cluster serves the gateway; gateway RSS not measured "
+            "(pass --ray-address)")
+        return None
+    log = workdir / "rss.log"
+    proc = procs.spawn("gateway RSS query", [sys.executable, "-m", "loadtests.bench_rss", ray_address], log)
+    try:
+        proc.popen.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        procs.stop(proc, first=signal.SIGKILL, timeout_s=5)
+    out = proc.log_tail(100_000)
+    lines = [ln for ln in out.splitlines() if ln.startswith("{") and "peak_rss_bytes" in ln]
+    if proc.popen.returncode != 0 or not lines:
+        tail = out.strip().splitlines()[-1:] or ["no output"]
+        say(f"WARNING: gateway RSS not measured via {ray_address} (exit {proc.popen.returncode}: "
+            f"{tail[0][:200]})")
+        return None
+    return int(json.loads(lines[-1])["peak_rss_bytes"])
+
+
+# ---- setup ------------------------------------------------------------------------------------------
+def load_model(config: Path, model_id: str) -> tuple[Any, Any]:
+    from serve_app.config import AppConfig
+
+    doc = yaml.safe_load(config.read_text())
+    cfg = AppConfig.model_validate(doc["applications"][0]["args"])
+    try:
+        return cfg, cfg.model(model_id)
+    except KeyError:
+        raise SystemExit(f"{config}: no model {model_id!r} (have {[m.id for m in cfg.models]})")
+
+
+def start_servers(ns: argparse.Namespace, config: Path, cfg: Any, model: Any, workdir: Path,
+                  started: list[Proc]) -> tuple[str, str, str, str | None, str]:
+    """Start direct vLLM (and the stack unless given). Returns the two root URLs, the key, the Ray
+    address for the RSS and the model path."""
+    from serve_app.engine.server import engine_kwargs
+    from serve_app.engine.sources import resolve_source
+
+    model_path = resolve_source(model.source, cfg.cache_dir)  # builds builtin:tiny-chat if missing
+    kw = engine_kwargs(model, model_path)
+    flags = procs.direct_server_flags(kw, dict(model.frontend))
+    direct_port = procs.free_port()
+    direct = procs.start_direct(flags, direct_port, dict(model.env), workdir / "direct-vllm.log")
+    started.append(direct)
+    direct_url = f"http://127.0.0.1:{direct_port}"
+
+    stack: Proc | None = None
+    if ns.gateway_url:
+        procs.require_loopback(ns.gateway_url)
+        gw_root = ns.gateway_url.rstrip("/").removesuffix("/v1")
+        key = ns.api_key
+        say(f"using the running stack at {gw_root}")
+    else:
+        from serve_app.gateway.keys import create_key
+
+        port = procs.free_port()
+        keys_file = workdir / "keys.yaml"
+        stack_config = workdir / "serve.yaml"
+        procs.write_stack_config(config, stack_config, port, keys_file)
+        key = create_key(keys_file, "bench", procs.BENCH_TIER, [model.id])
+        say(f"created key 'bench' (tier {procs.BENCH_TIER}: no rate limits) in {keys_file}")
+        ready = workdir / "ready.json"
+        stack = procs.start_stack(stack_config, port, keys_file, ready, workdir / "stack.log")
+        started.append(stack)
+        gw_root = f"http://127.0.0.1:{port}"
+
+    waiting = [p for p in (direct, stack) if p is not None]
+    t = procs.wait_until(
+        lambda: procs.http_status(f"{direct_url}/health") == 200, waiting, "direct vLLM",
+        ns.startup_timeout)
+    say(f"direct vLLM ready ({t:.0f} s)")
+    if stack is not None:
+        ready_file = workdir / "ready.json"
+        t = procs.wait_until(ready_file.exists, waiting, "the stack", ns.startup_timeout)
+        say(f"stack ready ({t:.0f} s more)")
+
+    for name, root, k in (("direct vLLM", direct_url, None), ("gateway", gw_root, key)):
+        body = {"model": model.id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        headers = {"Authorization": f"Bearer {k}"} if k else {}
+        status = procs.http_status(f"{root}/v1/chat/completions", 120, headers, body)
+        if status != 200:
+            raise RuntimeError(f"{name} answered {status} to a test request at {root}"
+                               + (" (is the API key right?)" if status == 401 else ""))
+
+    ray_address = ns.ray_address
+    if ray_address is None:
+        port = urlsplit(gw_root).port or 80
+        ray_address = procs.ray_address_for_http_port(port)
+        if ray_address:
+            say(f"Ray cluster of the gateway (from the process on port {port}): {ray_address}")
+    return direct_url, gw_root, key, ray_address, model_path
+
+
+# ---- main ---------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    config = Path(ns.config)
+    if not config.is_absolute():
+        config = (Path.cwd() / config) if (Path.cwd() / config).exists() else ROOT / config
+    cfg, model = load_model(config, ns.model)
+    results_dir = Path(ns.results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = results_dir / f"bench-{stamp}"
+    log = base.with_suffix(".log")
+    workdir = Path(tempfile.mkdtemp(prefix="serve-app-bench-"))
+    say(f"{'smoke' if ns.smoke else 'full'} benchmark of {model.id!r}: concurrency "
+        f"{ns.concurrencies}, {ns.repeats} repeat(s), input {ns.input_len} / output "
+        f"{ns.output_len} tokens, backend {ns.backend}; vLLM output in {log}")
+
+    started: list[Proc] = []
+    t_start = time.monotonic()
+    code = 0
+    try:
+        direct_url, gw_root, key, ray_address, model_path = start_servers(
+            ns, config, cfg, model, workdir, started)
+        rss_before = gateway_rss(ray_address, workdir)
+
+        runs: list[dict[str, Any]] = []
+        problems: list[str] = []
+        warnings: list[str] = []
+        sides = {"direct": (direct_url, None), "gateway": (gw_root, key)}
+        for r in range(1, ns.repeats + 1):
+            for i, c in enumerate(ns.concurrencies):
+                # Alternate which side goes first, so a drift in machine load hits both alike.
+                order = list(report.SIDES) if (r + i) % 2 else list(reversed(report.SIDES))
+                say(f"repeat {r}/{ns.repeats}, concurrency {c}, {prompts_for(ns, c)} prompts "
+                    f"({' then '.join(order)})")
+                pair: dict[str, dict[str, Any]] = {}
+                for side in order:
+                    url, k = sides[side]
+                    pair[side] = run_one(ns, side, url, k, model.id, model_path, c, r, log, stamp)
+                found = report.check_pair(pair["direct"]["metrics"], pair["gateway"]["metrics"],
+                                          prompts_for(ns, c), ns.output_len)
+                problems += [f"c={c} repeat {r}: {p}" for p in found]
+                same, total = report.text_agreement(pair["direct"]["texts"], pair["gateway"]["texts"])
+                if total and same != total:
+                    warnings.append(f"c={c} repeat {r}: {total - same}/{total} streamed texts differ "
+                                    "between the sides (greedy decoding; numerics can differ by batch)")
+                for side in report.SIDES:
+                    runs.append({"repeat": r, "concurrency": c, "side": side,
+                                 "metrics": pair[side]["metrics"],
+                                 "texts_identical_to_other_side": same})
+
+        rss = gateway_rss(ray_address, workdir)
+        summary = report.medians(runs, ns.concurrencies)
+        rat = report.ratios(summary)
+        meta = {
+            "command": " ".join([Path(sys.executable).name, "-m", "loadtests.bench", *(argv or sys.argv[1:])]),
+            "timestamp": stamp, "model": model.id, "model_path": model_path,
+            "config": str(config), "backend": ns.backend, "endpoint": ENDPOINTS[ns.backend],
+            "concurrencies": ns.concurrencies, "repeats": ns.repeats, "input_len": ns.input_len,
+            "output_len": ns.output_len, "seed": ns.seed, "smoke": ns.smoke,
+            "num_prompts": {str(c): prompts_for(ns, c) for c in ns.concurrencies},
+            "gateway": "external " + gw_root if ns.gateway_url else "started by the benchmark",
+            "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
+            "wall_time_s": round(time.monotonic() - t_start, 1),
+        }
+        table = report.markdown(summary, rat, rss, meta)
+        doc = {
+            "meta": meta,
+            "summary": {str(c): v for c, v in summary.items()},
+            "ratios": {str(c): v for c, v in rat.items()},
+            "gateway_peak_rss_bytes": rss, "gateway_peak_rss_bytes_before_runs": rss_before,
+            "runs": runs, "problems": problems, "warnings": warnings, "passed": not problems,
+        }
+        base.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+        base.with_suffix(".md").write_text(f"Command: `{meta['command']}`\n\n" + table)
+        print("\n" + table, flush=True)
+        for w in warnings:
+            say(f"WARN {w}")
+        say(f"wrote {base.with_suffix('.json')} and {base.with_suffix('.md')}")
+        if problems:
+            for p in problems:
+                say(f"FAIL {p}")
+            say(f"FAIL: {len(problems)} problem(s): requests failed or output tokens were lost")
+            code = 1
+        else:
+            say("PASS: every request completed on both sides, with equal output token counts")
+    except (RuntimeError, OSError) as exc:
+        say(f"FAIL: setup: {exc}")
+        code = 2
+    except KeyboardInterrupt:
+        say("interrupted")
+        code = 130
+    finally:
+        # The stack first (SIGINT lets the CLI shut Ray down cleanly), then direct vLLM.
+        for p in reversed(started):
+            procs.stop(p, timeout_s=90 if "stack" in p.name else 30)
+        for p in started:  # keep the server logs beside the results, without the demo key
+            if p.log.exists():
+                text = p.log.read_text(errors="replace")
+                text = re.sub(r"(OPENAI_API_KEY=)\S+", r"\1<redacted>", text)
+                (base.parent / f"{base.name}.{p.log.stem}.log").write_text(text)
+        shutil.rmtree(workdir, ignore_errors=True)
+        say(f"done in {time.monotonic() - t_start:.0f} s")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""Processes for the benchmark: direct vLLM, the full stack, and finding the stack's Ray cluster.
+
+Every process is started in its own session (process group), so it can be stopped with all its
+children by its id. Nothing here stops a process that this module did not start.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def say(msg: str) -> None:
+    print(f"[bench] {msg}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def require_loopback(url: str) -> None:
+    """Benchmark traffic may only go to loopback; refuse anything else before sending a byte."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return
+    except ValueError:
+        pass
+    raise SystemExit(f"refusing to send benchmark traffic to {url!r}: only loopback addresses are allowed")
+
+
+# ---- /proc helpers --------------------------------------------------------------------------------
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(ppid, start time) of a process, or None if it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2 :].split()
+    return int(fields[1]), int(fields[19])
+
+
+def _all_pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for pid in _all_pids():
+        st = _stat(pid)
+        if st is not None:
+            kids.setdefault(st[0], []).append(pid)
+    return kids
+
+
+def descendants(pid: int) -> dict[int, int]:
+    """Every live descendant of ``pid`` as {pid: start time} (the start time guards against reuse)."""
+    kids = _children_map()
+    out: dict[int, int] = {}
+    todo = list(kids.get(pid, []))
+    while todo:
+        p = todo.pop()
+        st = _stat(p)
+        if st is None or p in out:
+            continue
+        out[p] = st[1]
+        todo.extend(kids.get(p, []))
+    return out
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _listener_pid(port: int) -> int | None:
+    """The process listening on a TCP port (IPv4 or IPv6), found through its socket inode."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A = LISTEN
+                inodes.add(f"socket:[{cols[9]}]")
+    if not inodes:
+        return None
+    for pid in _all_pids():
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+def ray_address_for_http_port(port: int) -> str | None:
+    """The GCS address of the Ray cluster whose Serve proxy listens on ``port``.
+
+    ``ray.init(address="auto")`` picks any cluster when several run on one machine (the test
+    suite may run its own). Instead: the process listening on the port is the Serve proxy actor;
+    its parent is that cluster's raylet, whose command line names the GCS (``--gcs-address=``).
+    """
+    pid: int | None = _listener_pid(port)
+    for _ in range(8):
+        if pid is None or pid <= 1:
+            return None
+        for arg in _cmdline(pid):
+            if arg.startswith("--gcs-address="):
+                return arg.split("=", 1)[1]
+        st = _stat(pid)
+        pid = st[0] if st else None
+    return None
+
+
+# ---- processes ------------------------------------------------------------------------------------
+@dataclass
+class Proc:
+    """A process this benchmark started, in its own session, with its output in ``log``."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    tree: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def remember_tree(self) -> None:
+        """Snapshot the descendants, to find stragglers that left the process group."""
+        if self.alive():
+            self.tree.update(descendants(self.pid))
+
+
+def spawn(name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
+    out = open(log, "wb")
+    try:
+        popen = subprocess.Popen(
+            argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    finally:
+        out.close()
+    return Proc(name, popen, log)
+
+
+def _signal_group(proc: Proc, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def stop(proc: Proc, first: int = signal.SIGINT, timeout_s: float = 90.0) -> None:
+    """Stop a process we started: ``first`` to its group, SIGKILL after the timeout, then any
+    remembered descendant that is still alive (same pid and start time)."""
+    proc.remember_tree()
+    if proc.alive():
+        say(f"stopping {proc.name} (pid {proc.pid}, {signal.Signals(first).name}) ...")
+        _signal_group(proc, first)
+        try:
+            proc.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            say(f"{proc.name} still running after {timeout_s:.0f} s: SIGKILL")
+            _signal_group(proc, signal.SIGKILL)
+            proc.popen.wait()
+    # Children get a moment to follow their parent out, then the leftovers are killed by id.
+    deadline = time.monotonic() + 10
+    while True:
+        left = [p for p, t in proc.tree.items() if (st := _stat(p)) is not None and st[1] == t]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for p in left:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if left:
+        say(f"{proc.name}: killed {len(left)} leftover process(es): {left}")
+
+
+def http_status(url: str, timeout_s: float = 5.0, headers: dict[str, str] | None = None,
+                body: dict[str, Any] | None = None) -> int:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={**(headers or {}),
+                                 **({"Content-Type": "application/json"} if data else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            r.read()
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def wait_until(ready: Callable[[], bool], procs: list[Proc], what: str, timeout_s: float) -> float:
+    """Wait for ``ready``; fail fast if one of ``procs`` exits. Prints a progress line every 15 s."""
+    t0 = time.monotonic()
+    last = t0
+    while not ready():
+        for p in procs:
+            if not p.alive():
+                raise RuntimeError(
+                    f"{p.name} exited with {p.popen.returncode} while waiting for {what}; "
+                    f"log {p.log}:\n{p.log_tail()}"
+                )
+        now = time.monotonic()
+        if now - t0 > timeout_s:
+            raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s")
+        if now - last >= 15:
+            say(f"  ... waiting for {what} ({now - t0:.0f} s)")
+            last = now
+        time.sleep(1.0)
+    return time.monotonic() - t0
+
+
+# ---- the direct vLLM server -----------------------------------------------------------------------
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def to_cli_flags(kwargs: dict[str, Any], known: set[str]) -> list[str]:
+    """AsyncEngineArgs / FrontendArgs keyword arguments as vLLM CLI flags."""
+    flags: list[str] = []
+    for k, v in kwargs.items():
+        f = _flag(k)
+        if isinstance(v, bool):
+            if v:
+                flags.append(f)
+            elif "--no-" + f[2:] in known:
+                flags.append("--no-" + f[2:])
+            # else: a store_true flag whose default is False; verified below.
+        elif isinstance(v, (list, tuple)):
+            flags += [f, *map(str, v)]
+        elif isinstance(v, dict):
+            flags += [f, json.dumps(v)]
+        else:
+            flags += [f, str(v)]
+    return flags
+
+
+def direct_server_flags(engine_kw: dict[str, Any], frontend: dict[str, Any]) -> list[str]:
+    """The api_server flags for the app's engine arguments, checked by parsing them back with
+    vLLM's own parser: every engine argument must come out exactly as the app would pass it."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    known = {s for a in parser._actions for s in a.option_strings}
+    flags = to_cli_flags(engine_kw, known) + to_cli_flags(frontend, known)
+    ns = parser.parse_args(flags)
+    parsed = AsyncEngineArgs.from_cli_args(ns)
+    wrong = {k: (v, getattr(parsed, k, None)) for k, v in engine_kw.items()
+             if getattr(parsed, k, None) != (list(v) if isinstance(v, tuple) else v)}
+    wrong.update({k: (v, getattr(ns, k, None)) for k, v in frontend.items() if getattr(ns, k, None) != v})
+    if wrong:
+        raise SystemExit(f"engine arguments do not survive the CLI translation: {wrong}")
+    return flags
+
+
+def start_direct(flags: list[str], port: int, env: dict[str, str], log: Path) -> Proc:
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags,
+            "--host", "127.0.0.1", "--port", str(port)]
+    say(f"starting direct vLLM on 127.0.0.1:{port}: {' '.join(argv[1:])}")
+    if env:
+        say(f"  env: {' '.join(f'{k}={v}' for k, v in env.items())}")
+    return spawn("direct vLLM", argv, log, env={**os.environ, **env})
+
+
+# ---- the full stack -------------------------------------------------------------------------------
+BENCH_TIER = "bench-unlimited"
+
+
+def write_stack_config(src: Path, dst: Path, port: int, keys_file: Path) -> None:
+    """A copy of the config on our own port and keys file, plus one tier without limits.
+
+    The benchmark measures the streaming path, so its key must not be rate-limited or shed: a
+    configured tier's RPM or concurrency cap would turn a throughput run into a 429 count. The
+    tier has priority 0, the priority that direct vLLM gives every request.
+    """
+    import yaml
+
+    doc = yaml.safe_load(src.read_text())
+    doc["http_options"] = {**(doc.get("http_options") or {}), "host": "127.0.0.1", "port": port}
+    args = doc["applications"][0]["args"]
+    args.setdefault("gateway", {})["keys_file"] = str(keys_file)
+    tiers = args.get("tiers") or {"standard": {}}
+    tiers[BENCH_TIER] = {"priority": 0, "description": "benchmark key: no limits"}
+    args["tiers"] = tiers
+    dst.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+def start_stack(config: Path, port: int, keys_file: Path, ready_file: Path, log: Path) -> Proc:
+    argv = [sys.executable, "-m", "serve_app.cli", "run", "--config", str(config),
+            "--host", "127.0.0.1", "--port", str(port), "--ready-file", str(ready_file),
+            "--keys-file", str(keys_file)]
+    say(f"starting the stack on 127.0.0.1:{port} (log {log})")
+    return spawn("stack (serve-app run)", argv, log)

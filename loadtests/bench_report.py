@@ -1,0 +1,170 @@
+"""Pure functions of the benchmark: metrics of one run, the loss checks, medians and the tables."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+SIDES = ("direct", "gateway")
+
+# (key in our metrics, column title, format)
+COLUMNS = (
+    ("output_tok_s", "Output tok/s", "{:.0f}"),
+    ("req_s", "Req/s", "{:.2f}"),
+    ("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"),
+    ("ttft_p99_ms", "TTFT p99 ms", "{:.1f}"),
+    ("tpot_p50_ms", "TPOT p50 ms", "{:.2f}"),
+    ("tpot_p99_ms", "TPOT p99 ms", "{:.2f}"),
+    ("total_output_tokens", "Output tokens", "{:.0f}"),
+)
+TIMED = tuple(k for k, _, _ in COLUMNS if k != "total_output_tokens")
+
+
+def run_metrics(result: dict[str, Any]) -> dict[str, Any]:
+    """The numbers we keep from one ``vllm.benchmarks.serve`` result (``--save-detailed``)."""
+    errors = [e for e in result.get("errors") or [] if e]
+    texts = result.get("generated_texts") or []
+    return {
+        "completed": int(result.get("completed", 0)),
+        "failed": int(result.get("failed", 0)),
+        "total_input_tokens": int(result.get("total_input_tokens", 0)),
+        "total_output_tokens": int(result.get("total_output_tokens", 0)),
+        "delivered_text_chars": sum(len(t or "") for t in texts),
+        "duration_s": float(result.get("duration", 0.0)),
+        "output_tok_s": float(result.get("output_throughput", 0.0)),
+        "req_s": float(result.get("request_throughput", 0.0)),
+        "ttft_p50_ms": float(result.get("p50_ttft_ms", result.get("median_ttft_ms", 0.0))),
+        "ttft_p99_ms": float(result.get("p99_ttft_ms", 0.0)),
+        "tpot_p50_ms": float(result.get("p50_tpot_ms", result.get("median_tpot_ms", 0.0))),
+        "tpot_p99_ms": float(result.get("p99_tpot_ms", 0.0)),
+        "itl_p50_ms": float(result.get("p50_itl_ms", result.get("median_itl_ms", 0.0))),
+        "e2el_p50_ms": float(result.get("p50_e2el_ms", result.get("median_e2el_ms", 0.0))),
+        "errors": sorted(set(e.strip().splitlines()[-1][:300] for e in errors))[:3],
+    }
+
+
+def failed_run(message: str) -> dict[str, Any]:
+    """The metrics of a run that raised or timed out: nothing completed."""
+    m = run_metrics({})
+    m["errors"] = [message[:300]]
+    return m
+
+
+def check_pair(direct: dict[str, Any], gateway: dict[str, Any], num_prompts: int,
+               output_len: int) -> list[str]:
+    """Problems of one (direct, gateway) pair of runs over the same prompts. Empty means fine."""
+    problems = []
+    expected_tokens = num_prompts * output_len
+    for side, m in (("direct", direct), ("gateway", gateway)):
+        if m["failed"] or m["completed"] != num_prompts:
+            problems.append(
+                f"{side}: {m['completed']}/{num_prompts} requests completed, {m['failed']} failed"
+                + (f" ({'; '.join(m['errors'])})" if m["errors"] else "")
+            )
+        if m["total_output_tokens"] != expected_tokens:
+            problems.append(
+                f"{side}: {m['total_output_tokens']} output tokens, expected {expected_tokens} "
+                f"({num_prompts} x {output_len} with ignore_eos)"
+            )
+    if direct["completed"] != gateway["completed"]:
+        problems.append(
+            f"completed requests differ: direct {direct['completed']}, gateway {gateway['completed']}"
+        )
+    if direct["total_output_tokens"] != gateway["total_output_tokens"]:
+        problems.append(
+            f"output tokens differ: direct {direct['total_output_tokens']}, "
+            f"gateway {gateway['total_output_tokens']} "
+            f"({gateway['total_output_tokens'] - direct['total_output_tokens']:+d})"
+        )
+    if direct["completed"] == gateway["completed"] and (
+        direct["total_input_tokens"] != gateway["total_input_tokens"]
+    ):
+        problems.append(
+            f"prompt tokens differ (direct {direct['total_input_tokens']}, gateway "
+            f"{gateway['total_input_tokens']}): the sides did not get the same prompts"
+        )
+    return problems
+
+
+def text_agreement(direct_texts: list[str], gateway_texts: list[str]) -> tuple[int, int]:
+    """(identical, total) streamed texts, request by request (greedy decoding, same prompts)."""
+    same = sum(1 for a, b in zip(direct_texts, gateway_texts) if a == b)
+    return same, max(len(direct_texts), len(gateway_texts))
+
+
+def medians(runs: list[dict[str, Any]], concurrencies: list[int]) -> dict[int, dict[str, Any]]:
+    """{concurrency: {side: {metric: median over repeats}}}."""
+    out: dict[int, dict[str, Any]] = {}
+    for c in concurrencies:
+        out[c] = {}
+        for side in SIDES:
+            ms = [r["metrics"] for r in runs if r["concurrency"] == c and r["side"] == side]
+            if not ms:
+                continue
+            med = {k: statistics.median(m[k] for m in ms) for k, _, _ in COLUMNS}
+            med["repeats"] = len(ms)
+            med["total_output_tokens_all_repeats"] = sum(m["total_output_tokens"] for m in ms)
+            med["completed_all_repeats"] = sum(m["completed"] for m in ms)
+            med["failed_all_repeats"] = sum(m["failed"] for m in ms)
+            out[c][side] = med
+    return out
+
+
+def ratios(summary: dict[int, dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Gateway against direct, per concurrency, from the medians."""
+    out: dict[int, dict[str, float]] = {}
+    for c, sides in summary.items():
+        d, g = sides.get("direct"), sides.get("gateway")
+        if not d or not g:
+            continue
+        out[c] = {
+            "tok_s_ratio": g["output_tok_s"] / d["output_tok_s"] if d["output_tok_s"] else 0.0,
+            "ttft_p50_delta_ms": g["ttft_p50_ms"] - d["ttft_p50_ms"],
+            "tpot_p50_ratio": g["tpot_p50_ms"] / d["tpot_p50_ms"] if d["tpot_p50_ms"] else 0.0,
+        }
+    return out
+
+
+def _fmt(fmt: str, v: Any) -> str:
+    return fmt.format(v) if isinstance(v, (int, float)) else "n/a"
+
+
+def markdown(summary: dict[int, dict[str, Any]], rat: dict[int, dict[str, float]],
+             rss_bytes: int | None, meta: dict[str, Any]) -> str:
+    lines = [
+        f"Medians over {meta['repeats']} repeat(s); `{meta['backend']}` backend (streaming "
+        f"`{meta['endpoint']}`), random dataset, input {meta['input_len']} / output "
+        f"{meta['output_len']} tokens (`--ignore-eos`), seed {meta['seed']}, greedy.",
+        "",
+        "| Concurrency | Prompts | Side | " + " | ".join(t for _, t, _ in COLUMNS) + " |",
+        "| ---: | ---: | --- | " + " | ".join("---:" for _ in COLUMNS) + " |",
+    ]
+    for c, sides in summary.items():
+        for side in SIDES:
+            m = sides.get(side)
+            if m is None:
+                continue
+            cells = " | ".join(_fmt(f, m[k]) for k, _, f in COLUMNS)
+            lines.append(f"| {c} | {meta['num_prompts'][str(c)]} | {side} | {cells} |")
+    lines += [
+        "",
+        "| Concurrency | tok/s gateway/direct | TTFT p50 gateway - direct (ms) | TPOT p50 gateway/direct |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
+    for c, r in rat.items():
+        lines.append(
+            f"| {c} | {r['tok_s_ratio']:.2f} | {r['ttft_p50_delta_ms']:+.1f} | {r['tpot_p50_ratio']:.2f} |"
+        )
+    lines.append("")
+    heads = []
+    for c in (16, 64):
+        if c in rat:
+            heads.append(f"tokens/s ratio gateway/direct at c{c}: **{rat[c]['tok_s_ratio']:.2f}**")
+    if 1 in rat:
+        heads.append(f"TTFT p50 delta at c1: **{rat[1]['ttft_p50_delta_ms']:+.1f} ms**")
+    lines += [f"- {h}" for h in heads]
+    if rss_bytes is not None:
+        lines.append(f"- gateway replica peak RSS: **{rss_bytes / 2**20:.0f} MiB**")
+    else:
+        lines.append("- gateway replica peak RSS: not measured (see the warning in the output)")
+    return "\n".join(lines) + "\n"

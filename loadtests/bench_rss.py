@@ -1,0 +1,27 @@
+"""Print the gateway replica's diagnostics as JSON: ``python -m loadtests.bench_rss <gcs address>``.
+
+A process of its own, because a process that has imported vLLM cannot join a Ray cluster that uses
+token authentication (vLLM's import initialises Ray's config before the token mode is set).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(address: str) -> int:
+    import ray
+    from ray import serve
+
+    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    try:
+        diag = serve.get_deployment_handle("gateway", app_name="llm").diagnostics.remote()
+        print(json.dumps(diag.result(timeout_s=30)), flush=True)
+    finally:
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

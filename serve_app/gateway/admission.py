@@ -1,0 +1,178 @@
+"""Admission: a key's tier decides its limits, its scheduling priority and when it is shed.
+
+``Admission.admit`` runs before a request reaches a model. It clamps ``max_tokens`` to the tier's
+cap, reserves tokens, charges every configured limit at once (key and tier, RPM, TPM and
+concurrency), and sheds the request with 503 when the model is saturated for that tier. The
+returned ``Ticket`` is settled exactly once when the request ends, with the real token usage.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve_app import errors
+from serve_app.config import AppConfig, KeyRecord, Limits, TierConfig
+from serve_app.gateway.limits import Charge, LimitBackend, Verdict, clock
+
+logger = logging.getLogger("ray.serve")
+
+DEFAULT_RESERVE_TOKENS = 1024
+_BYTES_PER_TOKEN = 4  # a rough prompt estimate for the reservation; settled to the truth later
+
+
+@dataclass
+class Ticket:
+    """What one admitted request holds: refunded or settled when it ends."""
+
+    model_id: str
+    reserved_tokens: int
+    completion_tokens: int
+    token_charges: list[Charge] = field(default_factory=list)
+    gauges: list[Charge] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=dict)
+    settled: bool = False
+
+
+def _fmt_reset(seconds: float) -> str:
+    s = max(0.0, seconds)
+    if s < 60:
+        return f"{s:.3g}s" if s < 10 else f"{round(s)}s"
+    return f"{int(s // 60)}m{round(s % 60)}s"
+
+
+def _requested_max_tokens(body: dict[str, Any]) -> Any:
+    for name in ("max_completion_tokens", "max_tokens"):
+        if body.get(name) is not None:
+            return name, body[name]
+    return "max_tokens", None
+
+
+class Admission:
+    """Limits and shedding for one gateway replica (counters may be shared through Redis)."""
+
+    def __init__(self, cfg: AppConfig, backend: LimitBackend) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.inflight: dict[str, int] = defaultdict(int)
+        self._saturation = {
+            m.id: m.admission.saturation_requests for m in cfg.models
+        }
+
+    def tier(self, key: KeyRecord) -> TierConfig:
+        return self.cfg.tiers.get(key.tier) or self.cfg.tiers[self.cfg.default_tier]
+
+    def key_limits(self, key: KeyRecord) -> Limits:
+        return self.tier(key).key_limits.merged(key.limits)
+
+    def clamp_max_tokens(self, body: dict[str, Any], key: KeyRecord) -> int:
+        """Apply the tier's cap to max_tokens; return the completion tokens to reserve."""
+        cap = self.key_limits(key).max_tokens_cap or self.tier(key).limits.max_tokens_cap
+        name, value = _requested_max_tokens(body)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise errors.InvalidRequest(f"{name} must be a positive integer", param=name)
+        if cap is not None and (value is None or value > cap):
+            body[name] = cap
+            return cap
+        return value if value is not None else DEFAULT_RESERVE_TOKENS
+
+    def _charges(self, key: KeyRecord, tokens: int) -> tuple[list[Charge], list[int], list[int]]:
+        kl, tl = self.key_limits(key), self.tier(key).limits
+        charges: list[Charge] = []
+        rpm_idx: list[int] = []
+        tpm_idx: list[int] = []
+        for scope, lim in ((f"key:{key.id}", kl), (f"tier:{key.tier}", tl)):
+            if lim.max_concurrent:
+                charges.append(Charge(f"{scope}:conc", 1, lim.max_concurrent, gauge=True))
+            if lim.rpm:
+                rpm_idx.append(len(charges))
+                charges.append(Charge(f"{scope}:rpm", 1, lim.rpm))
+            if lim.tpm:
+                tpm_idx.append(len(charges))
+                charges.append(Charge(f"{scope}:tpm", tokens, lim.tpm))
+        return charges, rpm_idx, tpm_idx
+
+    @staticmethod
+    def _headers(charges: list[Charge], v: Verdict, rpm: list[int], tpm: list[int]) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers, from the key's own limits when set (else the tier's)."""
+        h: dict[str, str] = {}
+        for kind, idx in (("requests", rpm), ("tokens", tpm)):
+            known = [i for i in idx if i < len(v.remaining)]
+            if not known:
+                continue
+            i = known[0]
+            h[f"x-ratelimit-limit-{kind}"] = str(charges[i].limit)
+            h[f"x-ratelimit-remaining-{kind}"] = str(int(v.remaining[i]))
+            h[f"x-ratelimit-reset-{kind}"] = _fmt_reset(v.reset_s[i])
+        return h
+
+    async def admit(
+        self, key: KeyRecord, model_id: str, body: dict[str, Any], body_bytes: int
+    ) -> Ticket:
+        completion = self.clamp_max_tokens(body, key)
+        reserve = completion + math.ceil(body_bytes / _BYTES_PER_TOKEN)
+        self._shed_if_saturated(key, model_id)
+        charges, rpm, tpm = self._charges(key, reserve)
+        verdict = await self.backend.admit(charges, clock())
+        headers = self._headers(charges, verdict, rpm, tpm)
+        if not verdict.allowed:
+            failed = charges[verdict.failed]
+            wait = max(verdict.retry_after_s, 0.001)
+            if failed.counter.endswith(":tpm") and reserve > failed.limit:
+                raise errors.InvalidRequest(
+                    f"this request may use {reserve} tokens, more than the {failed.limit} tokens per "
+                    "minute allowed; lower max_tokens",
+                    param="max_tokens",
+                )
+            what = {"conc": "concurrent requests", "rpm": "requests per minute",
+                    "tpm": "tokens per minute"}[failed.counter.rsplit(":", 1)[1]]
+            scope = "key" if failed.counter.startswith("key:") else f"tier {key.tier!r}"
+            raise errors.RateLimited(
+                f"Rate limit reached for {what} ({failed.limit}) on this {scope}. "
+                f"Retry in {wait:.2f} s.",
+                headers={
+                    **headers,
+                    "Retry-After": str(max(1, math.ceil(wait))),
+                    "retry-after-ms": str(max(1, math.ceil(wait * 1000))),
+                },
+            )
+        self.inflight[model_id] += 1
+        return Ticket(
+            model_id=model_id,
+            reserved_tokens=reserve,
+            completion_tokens=completion,
+            token_charges=[charges[i] for i in tpm],
+            gauges=[c for c in charges if c.gauge],
+            headers=headers,
+        )
+
+    def _shed_if_saturated(self, key: KeyRecord, model_id: str) -> None:
+        saturation = self._saturation.get(model_id)
+        tier = self.tier(key)
+        if saturation is None or tier.shed_at >= 1.0:
+            return
+        # Each gateway replica sees its share of the traffic; scale its count to the whole.
+        load = self.inflight[model_id] * self.cfg.gateway.num_replicas
+        if load >= tier.shed_at * saturation:
+            raise errors.ServiceUnavailable(
+                f"model {model_id!r} is saturated; tier {key.tier!r} is shed first. Retry shortly.",
+                retry_after_s=self.cfg.gateway.retry_after_s,
+            )
+
+    async def settle(self, ticket: Ticket, used_tokens: int | None) -> None:
+        """Release concurrency and refund the unused token reservation (or charge the overrun)."""
+        if ticket.settled:
+            return
+        ticket.settled = True
+        self.inflight[ticket.model_id] -= 1
+        refunds = list(ticket.gauges)
+        if used_tokens is not None:
+            delta = ticket.reserved_tokens - used_tokens
+            refunds += [Charge(c.counter, delta, c.limit) for c in ticket.token_charges if delta]
+        try:
+            await self.backend.refund(refunds, clock())
+        except Exception:  # a lost refund only makes limits stricter for a minute; never fail the request
+            logger.warning("limit settlement failed", exc_info=True)

@@ -1,0 +1,132 @@
+"""Usage accounting per key and tier: metrics for Prometheus, totals for ``GET /v1/usage``.
+
+Totals live in-process for one gateway replica, or in Redis hashes when replicas share Redis, so
+that every replica answers ``/v1/usage`` with the same numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from serve_app.config import KeyRecord, TierConfig
+from serve_app.metrics import GatewayMetrics
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class Outcome:
+    """How one request ended, as the gateway saw it."""
+
+    status: int
+    usage: dict[str, Any] | None = None  # the engine's usage, when it reported one
+    events: int = 0  # SSE events relayed (a stream cut short has no usage)
+    ttft_s: float | None = None
+    duration_s: float | None = None
+
+
+class UsageStore(Protocol):
+    async def add(self, key_id: str, fields: dict[str, int]) -> None: ...
+    async def get(self, key_id: str) -> dict[str, int]: ...
+
+
+class MemoryUsageStore:
+    def __init__(self) -> None:
+        self._totals: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    async def add(self, key_id: str, fields: dict[str, int]) -> None:
+        for k, v in fields.items():
+            self._totals[key_id][k] += v
+
+    async def get(self, key_id: str) -> dict[str, int]:
+        return dict(self._totals.get(key_id, {}))
+
+
+class RedisUsageStore:
+    def __init__(self, url: str, prefix: str = "serve-app:usage:") -> None:
+        import redis.asyncio as redis
+
+        self._redis = redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._prefix = prefix
+
+    async def add(self, key_id: str, fields: dict[str, int]) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        for k, v in fields.items():
+            pipe.hincrby(self._prefix + key_id, k, v)
+        await pipe.execute()
+
+    async def get(self, key_id: str) -> dict[str, int]:
+        raw = await self._redis.hgetall(self._prefix + key_id)
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+
+class Usage:
+    """Records each request's outcome against its key and tier."""
+
+    def __init__(self, store: UsageStore, metrics: GatewayMetrics | None) -> None:
+        self.store = store
+        self.metrics = metrics
+
+    async def _add(self, key_id: str, fields: dict[str, int]) -> None:
+        try:
+            await self.store.add(key_id, fields)
+        except Exception:  # accounting must never fail a request
+            logger.warning("usage not recorded for key %s", key_id, exc_info=True)
+
+    async def rejected(self, key: KeyRecord, model: str, reason: str) -> None:
+        if self.metrics:
+            self.metrics.rejections.inc(1, tags={"key_id": key.id, "tier": key.tier,
+                                                 "model": model, "reason": reason})
+        await self._add(key.id, {"requests": 1, f"rejected_{reason}": 1})
+
+    async def finished(self, key: KeyRecord, tier: TierConfig, model: str, out: Outcome) -> None:
+        prompt = int((out.usage or {}).get("prompt_tokens") or 0)
+        completion = int((out.usage or {}).get("completion_tokens") or 0)
+        if out.usage is None and out.events:
+            completion = max(0, out.events - 2)  # role chunk and [DONE] carry no token
+        fields = {"requests": 1, "prompt_tokens": prompt, "completion_tokens": completion}
+        tags = {"key_id": key.id, "tier": key.tier, "model": model}
+        misses = []
+        if out.ttft_s is not None and out.ttft_s * 1000 > tier.objectives.ttft_p95_ms:
+            misses.append("ttft")
+        tpot = None
+        if out.ttft_s is not None and out.duration_s is not None and completion > 1:
+            tpot = (out.duration_s - out.ttft_s) / (completion - 1)
+            if tpot * 1000 > tier.objectives.tpot_p95_ms:
+                misses.append("tpot")
+        for m in misses:
+            fields[f"slo_miss_{m}"] = 1
+        if out.status >= 400:
+            fields[f"status_{out.status}"] = 1
+        if self.metrics:
+            self.metrics.requests.inc(1, tags={**tags, "status": str(out.status)})
+            if prompt:
+                self.metrics.tokens.inc(prompt, tags={**tags, "type": "prompt"})
+            if completion:
+                self.metrics.tokens.inc(completion, tags={**tags, "type": "completion"})
+            for m in misses:
+                self.metrics.slo_misses.inc(1, tags={**tags, "objective": m})
+            lat = {"tier": key.tier, "model": model}
+            if out.ttft_s is not None:
+                self.metrics.ttft.observe(out.ttft_s, tags=lat)
+            if tpot is not None:
+                self.metrics.tpot.observe(tpot, tags=lat)
+        await self._add(key.id, fields)
+
+    async def report(self, key: KeyRecord) -> dict[str, Any]:
+        totals = await self.store.get(key.id)
+        rejections = {k.removeprefix("rejected_"): v for k, v in totals.items() if k.startswith("rejected_")}
+        misses = {k.removeprefix("slo_miss_"): v for k, v in totals.items() if k.startswith("slo_miss_")}
+        return {
+            "object": "usage",
+            "key_id": key.id,
+            "tier": key.tier,
+            "requests": totals.get("requests", 0),
+            "prompt_tokens": totals.get("prompt_tokens", 0),
+            "completion_tokens": totals.get("completion_tokens", 0),
+            "rejections": rejections,
+            "slo_misses": misses,
+        }

@@ -1,0 +1,125 @@
+"""GCRA limits: both backends admit exactly the limit, refund reservations, and report headers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serve_app.gateway.limits import Charge, MemoryBackend, RedisBackend
+
+
+class _Lazy:
+    """Creates the backend inside the test's event loop (redis clients bind to their loop)."""
+
+    def __init__(self, make):
+        self._make = make
+        self._b = None
+
+    def __getattr__(self, name):
+        if self._b is None:
+            self._b = self._make()
+        return getattr(self._b, name)
+
+
+_current: list[_Lazy] = []
+
+
+@pytest.fixture(params=["memory", "redis"])
+def backend(request: pytest.FixtureRequest):
+    if request.param == "memory":
+        lazy = _Lazy(MemoryBackend)
+    else:
+        url = request.getfixturevalue("redis_url")
+        lazy = _Lazy(lambda: RedisBackend(url, prefix=f"test:{request.node.name}:"))
+    _current[:] = [lazy]
+    return lazy
+
+
+def run(coro):
+    async def with_close():
+        try:
+            return await coro
+        finally:
+            for lazy in _current:
+                if lazy._b is not None:
+                    await lazy._b.close()
+                    lazy._b = None
+
+    return asyncio.run(with_close())
+
+
+def test_rpm_admits_exactly_the_limit_then_refills(backend) -> None:
+    now = 1000.0
+    rpm = [Charge("k:rpm", 1, 3)]
+
+    async def go():
+        got = [(await backend.admit(rpm, now)).allowed for _ in range(4)]
+        later = await backend.admit(rpm, now + 20.0)  # one unit refills every 60/3 = 20 s
+        return got, later
+
+    got, later = run(go())
+    assert got == [True, True, True, False]
+    assert later.allowed
+
+
+def test_rejection_says_how_long_to_wait(backend) -> None:
+    async def go():
+        for _ in range(2):
+            await backend.admit([Charge("w:rpm", 1, 2)], 0.0)
+        return await backend.admit([Charge("w:rpm", 1, 2)], 0.0)
+
+    v = run(go())
+    assert not v.allowed and v.failed == 0
+    assert v.retry_after_s == pytest.approx(30.0, abs=0.01)
+
+
+def test_all_or_nothing_across_counters(backend) -> None:
+    """A request that fails its tier limit must not consume its key limit."""
+
+    async def go():
+        tier_full = [Charge("t1:rpm", 1, 100), Charge("t1:tier", 1, 1)]
+        first = await backend.admit(tier_full, 0.0)
+        second = await backend.admit(tier_full, 0.0)
+        key_only = await backend.admit([Charge("t1:rpm", 1, 100)], 0.0)
+        return first, second, key_only
+
+    first, second, key_only = run(go())
+    assert first.allowed and not second.allowed and second.failed == 1
+    # 100 allowed; one used by `first`; `second` charged nothing; so 98 remain after key_only.
+    assert key_only.remaining == [98]
+
+
+def test_token_reservation_is_refunded_on_settle(backend) -> None:
+    async def go():
+        tpm = Charge("r:tpm", 900, 1000)
+        a = await backend.admit([tpm], 0.0)
+        blocked = await backend.admit([Charge("r:tpm", 200, 1000)], 0.0)
+        await backend.refund([Charge("r:tpm", 800, 1000)], 0.0)  # used 100 of the 900 reserved
+        after = await backend.admit([Charge("r:tpm", 200, 1000)], 0.0)
+        return a, blocked, after
+
+    a, blocked, after = run(go())
+    assert a.allowed and not blocked.allowed and after.allowed
+    assert after.remaining == [700]
+
+
+def test_concurrency_gauge_is_released(backend) -> None:
+    async def go():
+        g = [Charge("c:conc", 1, 2, gauge=True)]
+        r = [(await backend.admit(g, 0.0)).allowed for _ in range(3)]
+        await backend.refund(g, 0.0)
+        r.append((await backend.admit(g, 0.0)).allowed)
+        return r
+
+    assert run(go()) == [True, True, False, True]
+
+
+def test_concurrent_admissions_never_overshoot(backend) -> None:
+    async def go():
+        results = await asyncio.gather(
+            *[backend.admit([Charge("race:rpm", 1, 10)], 5.0) for _ in range(40)]
+        )
+        return sum(v.allowed for v in results)
+
+    assert run(go()) == 10
