@@ -142,7 +142,10 @@ def gateway_rss(ray_address: str | None, workdir: Path) -> int | None:
             "(pass --ray-address)")
         return None
     log = workdir / "rss.log"
-    proc = procs.spawn("gateway RSS query", [sys.executable, "-m", "loadtests.bench_rss", ray_address], log)
+    # Clusters started by ray.init() use token auth; an explicit address does not enable it.
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+    proc = procs.spawn("gateway RSS query",
+                       [sys.executable, "-m", "loadtests.bench_rss", ray_address], log, env=env)
     try:
         proc.popen.wait(timeout=90)
     except subprocess.TimeoutExpired:
@@ -193,26 +196,40 @@ def start_servers(ns: argparse.Namespace, config: Path, cfg: Any, model: Any, wo
     else:
         from serve_app.gateway.keys import create_key
 
-        port = procs.free_port()
+        gw_port = procs.free_port()
         keys_file = workdir / "keys.yaml"
         stack_config = workdir / "serve.yaml"
-        procs.write_stack_config(config, stack_config, port, keys_file)
+        procs.write_stack_config(config, stack_config, gw_port, keys_file)
         key = create_key(keys_file, "bench", procs.BENCH_TIER, [model.id])
         say(f"created key 'bench' (tier {procs.BENCH_TIER}: no rate limits) in {keys_file}")
         ready = workdir / "ready.json"
-        stack = procs.start_stack(stack_config, port, keys_file, ready, workdir / "stack.log")
+        stack = procs.start_stack(stack_config, gw_port, keys_file, ready, workdir / "stack.log")
         started.append(stack)
-        gw_root = f"http://127.0.0.1:{port}"
+        gw_root = f"http://127.0.0.1:{gw_port}"
 
-    waiting = [p for p in (direct, stack) if p is not None]
-    t = procs.wait_until(
-        lambda: procs.http_status(f"{direct_url}/health") == 200, waiting, "direct vLLM",
-        ns.startup_timeout)
-    say(f"direct vLLM ready ({t:.0f} s)")
-    if stack is not None:
-        ready_file = workdir / "ready.json"
-        t = procs.wait_until(ready_file.exists, waiting, "the stack", ns.startup_timeout)
-        say(f"stack ready ({t:.0f} s more)")
+    def wait_ready() -> None:
+        waiting = [p for p in (direct, stack) if p is not None]
+        t = procs.wait_until(lambda: procs.http_status(f"{direct_url}/health") == 200, waiting,
+                             "direct vLLM", ns.startup_timeout)
+        say(f"direct vLLM ready ({t:.0f} s)")
+        if stack is not None:
+            ready_file = workdir / "ready.json"
+            t = procs.wait_until(ready_file.exists, waiting, "the stack", ns.startup_timeout)
+            say(f"stack ready ({t:.0f} s more)")
+
+    try:
+        wait_ready()
+    except procs.ProcExited as exc:
+        # On a loaded machine Ray's node start-up can time out (the raylet waits for its agents).
+        if exc.proc is not stack or "timed out during startup" not in stack.log_tail(20_000):
+            raise
+        say("Ray's node start-up timed out (a loaded machine?): starting the stack once more")
+        procs.stop(stack)
+        started.remove(stack)
+        stack = procs.start_stack(workdir / "serve.yaml", gw_port, workdir / "keys.yaml",
+                                  workdir / "ready.json", workdir / "stack-2.log")
+        started.append(stack)
+        wait_ready()
 
     for name, root, k in (("direct vLLM", direct_url, None), ("gateway", gw_root, key)):
         body = {"model": model.id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -224,11 +241,21 @@ def start_servers(ns: argparse.Namespace, config: Path, cfg: Any, model: Any, wo
 
     ray_address = ns.ray_address
     if ray_address is None:
+        # Our own stack: the proxy on our port must be in the session of the CLI we started.
         port = urlsplit(gw_root).port or 80
-        ray_address = procs.ray_address_for_http_port(port)
+        ray_address = procs.ray_address_for_http_port(port, stack.pid if stack else None)
         if ray_address:
-            say(f"Ray cluster of the gateway (from the process on port {port}): {ray_address}")
+            say(f"Ray cluster of the gateway (its proxy listens on port {port}): {ray_address}")
     return direct_url, gw_root, key, ray_address, model_path
+
+
+def command_line(argv: list[str]) -> str:
+    """The command as typed, with the API key masked (it ends up in the result files)."""
+    shown, hide = [], False
+    for a in argv:
+        shown.append("***" if hide else re.sub(r"^(--api-key=).+", r"\1***", a))
+        hide = a == "--api-key"
+    return " ".join(["python", "-m", "loadtests.bench", *shown])
 
 
 # ---- main ---------------------------------------------------------------------------------------------
@@ -286,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = report.medians(runs, ns.concurrencies)
         rat = report.ratios(summary)
         meta = {
-            "command": " ".join([Path(sys.executable).name, "-m", "loadtests.bench", *(argv or sys.argv[1:])]),
+            "command": command_line(argv if argv is not None else sys.argv[1:]),
             "timestamp": stamp, "model": model.id, "model_path": model_path,
             "config": str(config), "backend": ns.backend, "endpoint": ENDPOINTS[ns.backend],
             "concurrencies": ns.concurrencies, "repeats": ns.repeats, "input_len": ns.input_len,

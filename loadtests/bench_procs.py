@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -50,41 +50,23 @@ def require_loopback(url: str) -> None:
 
 # ---- /proc helpers --------------------------------------------------------------------------------
 def _stat(pid: int) -> tuple[int, int] | None:
-    """(ppid, start time) of a process, or None if it is gone."""
+    """(ppid, session id) of a process, or None if it is gone."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = raw[raw.rindex(")") + 2 :].split()
-    return int(fields[1]), int(fields[19])
+    return int(fields[1]), int(fields[3])
 
 
 def _all_pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
-def _children_map() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for pid in _all_pids():
-        st = _stat(pid)
-        if st is not None:
-            kids.setdefault(st[0], []).append(pid)
-    return kids
-
-
-def descendants(pid: int) -> dict[int, int]:
-    """Every live descendant of ``pid`` as {pid: start time} (the start time guards against reuse)."""
-    kids = _children_map()
-    out: dict[int, int] = {}
-    todo = list(kids.get(pid, []))
-    while todo:
-        p = todo.pop()
-        st = _stat(p)
-        if st is None or p in out:
-            continue
-        out[p] = st[1]
-        todo.extend(kids.get(p, []))
-    return out
+def session_members(sid: int) -> list[int]:
+    """Live processes of a session. Everything we start gets a session of its own, which its
+    children keep even after the parent dies or they change process group (Ray actors do)."""
+    return [p for p in _all_pids() if p != sid and (st := _stat(p)) is not None and st[1] == sid]
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -122,14 +104,17 @@ def _listener_pid(port: int) -> int | None:
     return None
 
 
-def ray_address_for_http_port(port: int) -> str | None:
+def ray_address_for_http_port(port: int, session: int | None = None) -> str | None:
     """The GCS address of the Ray cluster whose Serve proxy listens on ``port``.
 
     ``ray.init(address="auto")`` picks any cluster when several run on one machine (the test
     suite may run its own). Instead: the process listening on the port is the Serve proxy actor;
     its parent is that cluster's raylet, whose command line names the GCS (``--gcs-address=``).
+    With ``session``, the proxy must belong to that session (the stack we started).
     """
     pid: int | None = _listener_pid(port)
+    if pid is not None and session is not None and (_stat(pid) or (0, -1))[1] != session:
+        return None
     for _ in range(8):
         if pid is None or pid <= 1:
             return None
@@ -149,7 +134,6 @@ class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
-    tree: dict[int, int] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
@@ -164,10 +148,16 @@ class Proc:
         except OSError:
             return ""
 
-    def remember_tree(self) -> None:
-        """Snapshot the descendants, to find stragglers that left the process group."""
-        if self.alive():
-            self.tree.update(descendants(self.pid))
+
+class ProcExited(RuntimeError):
+    """A process we started exited while we waited for something."""
+
+    def __init__(self, proc: Proc, what: str) -> None:
+        self.proc = proc
+        super().__init__(
+            f"{proc.name} exited with {proc.popen.returncode} while waiting for {what}; "
+            f"log {proc.log}:\n{proc.log_tail()}"
+        )
 
 
 def spawn(name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
@@ -189,9 +179,8 @@ def _signal_group(proc: Proc, sig: int) -> None:
 
 
 def stop(proc: Proc, first: int = signal.SIGINT, timeout_s: float = 90.0) -> None:
-    """Stop a process we started: ``first`` to its group, SIGKILL after the timeout, then any
-    remembered descendant that is still alive (same pid and start time)."""
-    proc.remember_tree()
+    """Stop a process we started: ``first`` to its process group, SIGKILL after the timeout, then
+    SIGKILL to whatever is left of its session (e.g. Ray actors, which have groups of their own)."""
     if proc.alive():
         say(f"stopping {proc.name} (pid {proc.pid}, {signal.Signals(first).name}) ...")
         _signal_group(proc, first)
@@ -201,12 +190,9 @@ def stop(proc: Proc, first: int = signal.SIGINT, timeout_s: float = 90.0) -> Non
             say(f"{proc.name} still running after {timeout_s:.0f} s: SIGKILL")
             _signal_group(proc, signal.SIGKILL)
             proc.popen.wait()
-    # Children get a moment to follow their parent out, then the leftovers are killed by id.
+    # Children get a moment to follow their parent out; then the leftovers are killed by id.
     deadline = time.monotonic() + 10
-    while True:
-        left = [p for p, t in proc.tree.items() if (st := _stat(p)) is not None and st[1] == t]
-        if not left or time.monotonic() > deadline:
-            break
+    while (left := session_members(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.5)
     for p in left:
         try:
@@ -214,7 +200,7 @@ def stop(proc: Proc, first: int = signal.SIGINT, timeout_s: float = 90.0) -> Non
         except ProcessLookupError:
             pass
     if left:
-        say(f"{proc.name}: killed {len(left)} leftover process(es): {left}")
+        say(f"{proc.name}: killed {len(left)} leftover process(es) of its session: {left}")
 
 
 def http_status(url: str, timeout_s: float = 5.0, headers: dict[str, str] | None = None,
@@ -239,10 +225,7 @@ def wait_until(ready: Callable[[], bool], procs: list[Proc], what: str, timeout_
     while not ready():
         for p in procs:
             if not p.alive():
-                raise RuntimeError(
-                    f"{p.name} exited with {p.popen.returncode} while waiting for {what}; "
-                    f"log {p.log}:\n{p.log_tail()}"
-                )
+                raise ProcExited(p, what)
         now = time.monotonic()
         if now - t0 > timeout_s:
             raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s")

@@ -1,7 +1,9 @@
 """Print the gateway replica's diagnostics as JSON: ``python -m loadtests.bench_rss <gcs address>``.
 
-A process of its own, because a process that has imported vLLM cannot join a Ray cluster that uses
-token authentication (vLLM's import initialises Ray's config before the token mode is set).
+A process of its own, so the benchmark process never joins a Ray cluster, and with a timeout.
+Clusters that ``ray.init()`` starts use token authentication (the token in ~/.ray/auth_token), and
+Ray enables token mode on connect only for ``address="auto"``, never for an explicit address: the
+caller sets ``RAY_AUTH_MODE=token`` for us.
 """
 
 from __future__ import annotations

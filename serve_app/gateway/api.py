@@ -50,10 +50,11 @@ def build_api(deps: GatewayDeps) -> FastAPI:
     app = FastAPI(title="serve-app gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.deps = deps
 
-    def get_deps(request: Request) -> GatewayDeps:
+    async def get_deps(request: Request) -> GatewayDeps:
         return request.app.state.deps  # type: ignore[no-any-return]
 
-    def authenticate(request: Request, d: GatewayDeps = Depends(get_deps)) -> KeyRecord:
+    async def authenticate(request: Request, d: GatewayDeps = Depends(get_deps)) -> KeyRecord:
+        # async: FastAPI would run a sync dependency in a thread pool, a hop on every request.
         token = bearer_token(request.headers.get("authorization"))
         if token is None:
             raise errors.AuthenticationFailed(

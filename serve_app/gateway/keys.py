@@ -147,12 +147,15 @@ class KeyStore:
             logger.info("loaded %d active keys from %s", len(self._by_digest), self.path)
 
     def maybe_reload(self) -> None:
-        now = time.monotonic()
-        if now - self._checked < self.reload_interval_s:
+        if time.monotonic() - self._checked < self.reload_interval_s:
             return
         with self._lock:
-            self._checked = now
+            # Another caller may have reloaded while this one waited for the lock. The stamp is
+            # only advanced after the reload, so nobody skips ahead with the old keys.
+            if time.monotonic() - self._checked < self.reload_interval_s:
+                return
             self._reload()
+            self._checked = time.monotonic()
 
     def lookup(self, secret: str) -> KeyRecord | None:
         self.maybe_reload()

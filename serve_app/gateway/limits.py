@@ -168,7 +168,7 @@ class RedisBackend:
     def __init__(self, url: str, prefix: str = "serve-app:limits:") -> None:
         import redis.asyncio as redis
 
-        self._redis = redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._redis = redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=2.0)
         self._prefix = prefix
         self._admit = self._redis.register_script(_ADMIT_LUA)
         self._refund = self._redis.register_script(_REFUND_LUA)

@@ -49,7 +49,7 @@ class RedisUsageStore:
     def __init__(self, url: str, prefix: str = "serve-app:usage:") -> None:
         import redis.asyncio as redis
 
-        self._redis = redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._redis = redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=2.0)
         self._prefix = prefix
 
     async def add(self, key_id: str, fields: dict[str, int]) -> None:

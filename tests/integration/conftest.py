@@ -30,7 +30,7 @@ MAX_BODY_BYTES = 256 * 1024
 MAX_NUM_SEQS = 4
 MAX_ONGOING = 16
 MAX_QUEUED = 8
-SATURATION = 12  # batch (shed_at 0.5) is shed above 6 requests in flight
+SATURATION = 24  # batch (shed_at 0.5) is shed above 12 requests in flight
 GATEWAY_REPLICAS = 2
 
 
@@ -65,6 +65,18 @@ def _test_config(workdir: Path, port: int, redis_url: str) -> Path:
     tiny["frontend"] = {"enable_prompt_tokens_details": True}
     tiny["deployment"].update(max_ongoing_requests=MAX_ONGOING, max_queued_requests=MAX_QUEUED)
     tiny["admission"] = {"saturation_requests": SATURATION}
+    # A second version of the chat model for the weighted split (A/B) and the fallback: a queue
+    # of one, so a small burst overflows it onto tiny-chat.
+    args["models"].append({
+        **{k: v for k, v in tiny.items() if k not in ("aliases", "admission", "frontend")},
+        "id": "tiny-chat-b",
+        "fallback": "tiny-chat",
+        "engine": {**tiny["engine"], "max_num_seqs": 2, "enable_prefix_caching": False},
+        "deployment": {"num_replicas": 1, "max_ongoing_requests": 1, "max_queued_requests": 1},
+        "env": {"VLLM_CPU_OMP_THREADS_BIND": "1"},
+    })
+    args["routes"] = [{"name": "tiny-ab", "split": [{"model": "tiny-chat", "weight": 1},
+                                                    {"model": "tiny-chat-b", "weight": 1}]}]
     path = workdir / "serve.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path

@@ -4,6 +4,7 @@ from, key rotation without restarts, tier shedding that protects premium, tenant
 from __future__ import annotations
 
 import asyncio
+import re
 import statistics
 import time
 from typing import Any
@@ -16,8 +17,6 @@ from serve_app.gateway.keys import create_key, revoke_key, rotate_key
 
 pytestmark = pytest.mark.integration
 
-RELOAD_S = 5.0  # the promise: key changes reach every gateway replica within 5 s
-
 
 def _chat(max_tokens: int = 1, **extra: Any) -> dict[str, Any]:
     return {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}],
@@ -29,19 +28,15 @@ def _post(stack, secret: str, body: dict[str, Any], **kw: Any) -> httpx.Response
                       headers={"Authorization": f"Bearer {secret}", **kw.pop("headers", {})}, **kw)
 
 
-def _wait_until(pred, timeout: float = RELOAD_S + 2.0) -> float:
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(0.2)
-    return time.monotonic() - t0
+def _settle_reload() -> None:
+    """Each gateway replica re-reads the keys file at most once per keys_reload_interval_s (1 s
+    here), on its next request; after that interval every replica has seen any change."""
+    time.sleep(1.5)
 
 
 def _new_key(stack, key_id: str, tier: str, **limits: int) -> str:
     secret = create_key(stack.keys_file, key_id, tier, ["*"], limits=limits or None)
-    _wait_until(lambda: httpx.get(f"{stack.base_url}/models", timeout=10,
-                                  headers={"Authorization": f"Bearer {secret}"}).status_code == 200)
+    _settle_reload()
     return secret
 
 
@@ -92,19 +87,16 @@ def test_token_limit_holds_across_two_gateway_replicas(stack) -> None:
 
 def test_rotation_and_revocation_reach_every_replica(stack) -> None:
     old = _new_key(stack, "rotating", "standard")
+    assert _post(stack, old, _chat()).status_code == 200
     new = rotate_key(stack.keys_file, "rotating")
-    took = _wait_until(lambda: all(
-        httpx.get(f"{stack.base_url}/models", headers={"Authorization": f"Bearer {s}"},
-                  timeout=10).status_code == code
-        for s, code in ((new, 200), (old, 401))
-    ))
-    # Many requests land on both gateway replicas: all of them agree.
-    for _ in range(20):
-        assert _post(stack, new, _chat()).status_code == 200
-        assert _post(stack, old, _chat()).status_code == 401
+    _settle_reload()  # 1.5 s, well inside the 5 s promise
+    # Many requests land on both gateway replicas: every one of them has switched.
+    codes = [(_post(stack, new, _chat()).status_code, _post(stack, old, _chat()).status_code)
+             for _ in range(20)]
+    assert codes == [(200, 401)] * 20
     revoke_key(stack.keys_file, "rotating")
-    _wait_until(lambda: _post(stack, new, _chat()).status_code == 401)
-    assert took <= RELOAD_S
+    _settle_reload()
+    assert [_post(stack, new, _chat()).status_code for _ in range(10)] == [401] * 10
 
 
 def test_forbidden_upstream_fields_are_400(stack) -> None:
@@ -138,28 +130,29 @@ def test_tenants_do_not_share_the_prefix_cache(stack) -> None:
 
 
 def test_overload_sheds_batch_first_and_premium_keeps_its_ttft(stack) -> None:
-    from tests.integration.conftest import SATURATION
-
     batch = _new_key(stack, "shed-batch", "batch")
     premium = stack.keys["all"]
 
-    async def stream(c: httpx.AsyncClient, secret: str, delay: float) -> tuple[int, float | None]:
+    async def stream(c: httpx.AsyncClient, secret: str, delay: float,
+                     max_tokens: int) -> tuple[int, float | None]:
         await asyncio.sleep(delay)
         t0 = time.monotonic()
-        async with c.stream("POST", "/chat/completions", headers={"Authorization": f"Bearer {secret}"},
-                            json=_chat(max_tokens=64, stream=True, ignore_eos=True)) as r:
+        body = _chat(max_tokens=max_tokens, stream=True, ignore_eos=True)
+        async with c.stream("POST", "/chat/completions", json=body,
+                            headers={"Authorization": f"Bearer {secret}"}) as r:
             ttft = None
             async for chunk in r.aiter_bytes():
-                if ttft is None and b'"content":"' in chunk and b'"content":""' not in chunk:
+                if ttft is None and re.search(rb'"content":"[^"]', chunk):
                     ttft = time.monotonic() - t0
             return r.status_code, ttft
 
     async def load() -> tuple[list[tuple[int, float | None]], list[tuple[int, float | None]]]:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=300,
                                      limits=httpx.Limits(max_connections=200)) as c:
-            # Several times what the engine runs at once (4): batch floods, premium trickles in.
-            b = [stream(c, batch, 0.05 * i) for i in range(5 * SATURATION)]
-            p = [stream(c, premium, 0.5 + 0.25 * i) for i in range(12)]
+            # Batch floods at several times what the engine runs at once (4 sequences); premium
+            # trickles in once the flood is queued.
+            b = [stream(c, batch, 0.05 * i, 48) for i in range(60)]
+            p = [stream(c, premium, 1.5 + 0.5 * i, 16) for i in range(6)]
             res = await asyncio.gather(*b, *p)
             return list(res[: len(b)]), list(res[len(b):])
 
@@ -176,4 +169,4 @@ def test_overload_sheds_batch_first_and_premium_keeps_its_ttft(stack) -> None:
     b_ttft = p95([t for c, t in b_res if c == 200 and t is not None])
     print(f"\n[tiers] premium TTFT p95 {p_ttft * 1000:.0f} ms, batch TTFT p95 {b_ttft * 1000:.0f} ms, "
           f"batch shed {b_codes.count(503)}/{len(b_codes)}")
-    assert p_ttft < b_ttft / 2
+    assert p_ttft < b_ttft / 2, (sorted(t for _, t in p_res if t), sorted(t for _, t in b_res if t))
