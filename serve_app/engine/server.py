@@ -279,11 +279,14 @@ class EngineServer:
         task = asyncio.create_task(pump())
         first = True
         last_flush = 0.0
+        # vLLM's first chat event carries only the role; the first token comes right after it.
+        # Both go out as soon as they exist, so coalescing never delays the first token.
+        urgent = 2
         usage: dict[str, Any] | None = None
         try:
             while True:
                 item = await queue.get()
-                if not first:
+                if urgent <= 0:
                     wait = last_flush + self.stream_interval_s - time.monotonic()
                     if wait > 0 and item is not _END:
                         await asyncio.sleep(wait)
@@ -304,6 +307,7 @@ class EngineServer:
                             item = ""
                     if item:
                         parts.append(item.encode())
+                        urgent -= 1
                     if queue.empty():
                         break
                     item = queue.get_nowait()

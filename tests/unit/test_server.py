@@ -210,11 +210,27 @@ def test_coalesce_flushes_first_chunk_without_waiting_for_the_rest() -> None:
 
 
 def test_coalesce_batches_chunks_within_the_interval() -> None:
-    parts = ["data: a\n\n", "data: b\n\n", "data: c\n\n", "data: d\n\n"]
-    items = asyncio.run(_collect(_server(0.4), _chunks(parts, [0.0, 0.02, 0.01, 0.01])))
-    # The first chunk at once, then the rest together after the interval.
+    parts = ["data: a\n\n", "data: b\n\n", "data: c\n\n", "data: d\n\n", "data: e\n\n"]
+    items = asyncio.run(_collect(_server(0.4), _chunks(parts, [0.0, 0.02, 0.01, 0.01, 0.01])))
+    # The role event and the first token at once, then the rest together after the interval.
     assert items[0][1]["body"] == parts[0].encode()
-    assert _relayed(items) == ["".join(parts[1:]).encode()]
+    assert _relayed(items) == [parts[1].encode(), "".join(parts[2:]).encode()]
+
+
+def test_coalesce_never_delays_the_first_token() -> None:
+    """vLLM sends the role first; the first token must not wait out a coalescing interval."""
+    parts = ["data: role\n\n", "data: tok1\n\n", "data: tok2\n\n"]
+
+    async def timed() -> list[float]:
+        server = _server(0.5)
+        t0 = time.monotonic()
+        stamps = []
+        async for _ in server._coalesce(_chunks(parts, [0.0, 0.05, 0.01])):
+            stamps.append(time.monotonic() - t0)
+        return stamps
+
+    stamps = asyncio.run(timed())
+    assert stamps[1] < 0.3  # the first token: well before the 0.5 s interval
 
 
 def test_coalesce_empty_stream_still_sends_a_head() -> None:
