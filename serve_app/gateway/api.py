@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,13 +15,11 @@ from starlette.responses import JSONResponse, Response
 
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
-from serve_app.gateway.admission import Admission
 from serve_app.gateway.auth import bearer_token
-from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.keys import KeyStore
+from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing import Route, Router
-from serve_app.gateway.usage import Outcome, Usage
-from serve_app.protocol import RequestContext, total_tokens
+from serve_app.gateway.usage import Usage
 
 logger = logging.getLogger("ray.serve")
 
@@ -41,8 +37,7 @@ class GatewayDeps:
     cfg: AppConfig
     keys: KeyStore
     router: Router
-    forwarder: Forwarder
-    admission: Admission
+    pipeline: Pipeline
     usage: Usage
 
 
@@ -99,56 +94,7 @@ def build_api(deps: GatewayDeps) -> FastAPI:
         request: Request, key: KeyRecord, d: GatewayDeps, method: str, task: str
     ) -> Response:
         body, size = await read_json(request, d)
-        route = d.router.resolve(body.get("model"), key)
-        if route.task != task:
-            raise errors.InvalidRequest(
-                f"model `{route.name}` is a {route.task} model and does not serve this endpoint",
-                param="model",
-            )
-        model_id = route.pick()
-        try:
-            ticket = await d.admission.admit(key, model_id, body, size)
-        except (errors.RateLimited, errors.ServiceUnavailable) as exc:
-            reason = "rate_limit" if isinstance(exc, errors.RateLimited) else "shed"
-            await d.usage.rejected(key, model_id, reason)
-            raise
-        tier = d.admission.tier(key)
-        ctx = RequestContext(
-            request_id=uuid.uuid4().hex,
-            key_id=key.id,
-            tier=key.tier,
-            priority=tier.priority,
-            deadline=time.time() + d.cfg.gateway.request_timeout_s,
-            tenant=key.tenant_id,
-        )
-        # x-request-id is set by Ray Serve's proxy (bounded by gateway/proxy_middleware.py).
-        headers = {"x-served-by": model_id, **ticket.headers}
-        fallback = d.router.fallback(model_id)
-        retry = {"pending": fallback is not None}
-
-        async def on_done(out: Outcome) -> None:
-            if out.status == 503 and retry["pending"]:
-                return  # the fallback attempt settles this ticket
-            used = total_tokens(out.usage)
-            if used is None and out.events:
-                # A stream cut short: charge the prompt estimate and what was sent (~1 token/event).
-                used = ticket.reserved_tokens - ticket.completion_tokens + out.events
-            await d.admission.settle(ticket, used)
-            if out.status == 503:
-                await d.usage.rejected(key, model_id, "backpressure")
-            else:
-                await d.usage.finished(key, tier, model_id, out)
-
-        try:
-            return await d.forwarder.forward(model_id, method, body, ctx, headers, on_done)
-        except errors.ServiceUnavailable:
-            if fallback is None:
-                raise
-        logger.warning("model %s unavailable; falling back to %s", model_id, fallback)
-        headers["x-served-by"] = fallback
-        retry["pending"] = False  # whatever the fallback answers settles the ticket
-        second = dataclasses.replace(ctx, request_id=uuid.uuid4().hex)
-        return await d.forwarder.forward(fallback, method, body, second, headers, on_done)
+        return await d.pipeline.handle(key, body, size, method, task)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

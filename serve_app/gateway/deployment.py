@@ -13,6 +13,7 @@ from serve_app.gateway.admission import Admission
 from serve_app.gateway.api import GatewayDeps, build_api
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.keys import KeyStore
+from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.limits import LimitBackend, MemoryBackend, RedisBackend
 from serve_app.gateway.routing import Router
 from serve_app.gateway.usage import MemoryUsageStore, RedisUsageStore, Usage, UsageStore
@@ -29,13 +30,14 @@ class Gateway:
         redis_url = cfg.gateway.redis_url
         backend: LimitBackend = RedisBackend(redis_url) if redis_url else MemoryBackend()
         store: UsageStore = RedisUsageStore(redis_url) if redis_url else MemoryUsageStore()
+        router = Router(cfg)
+        usage = Usage(store, GatewayMetrics.create())
         self.deps = GatewayDeps(
             cfg=cfg,
             keys=KeyStore(Path(cfg.gateway.keys_file), cfg.gateway.keys_reload_interval_s),
-            router=Router(cfg),
-            forwarder=Forwarder(handles, cfg.gateway),
-            admission=Admission(cfg, backend),
-            usage=Usage(store, GatewayMetrics.create()),
+            router=router,
+            pipeline=Pipeline(cfg, router, Admission(cfg, backend), Forwarder(handles, cfg.gateway), usage),
+            usage=usage,
         )
 
     def __serve_build_asgi_app__(self) -> FastAPI:

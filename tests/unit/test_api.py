@@ -118,7 +118,7 @@ class Env:
         deps = _gateway_deps(app_config, handles)
         # Real KeyStore, Router and Forwarder; only the model deployments are fake.
         assert isinstance(deps.keys, KeyStore) and isinstance(deps.router, Router)
-        assert isinstance(deps.forwarder, Forwarder)
+        assert isinstance(deps.pipeline.forwarder, Forwarder)
         self.client = TestClient(build_api(deps), raise_server_exceptions=False)
 
     def post(self, path: str, body: Any = None, key: str | None = None, **kw: Any) -> httpx.Response:
