@@ -86,8 +86,10 @@ def prompts_for(ns: argparse.Namespace, c: int) -> int:
 
 # ---- one benchmark run ------------------------------------------------------------------------------
 def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, model_id: str,
-            model_path: str, c: int, repeat: int, log: Path, stamp: str) -> dict[str, Any]:
-    """One ``vllm.benchmarks.serve`` run, in this process; its console output goes to ``log``."""
+            model_path: str, c: int, repeat: int, log: Path, stamp: str,
+            session: int | None) -> dict[str, Any]:
+    """One ``vllm.benchmarks.serve`` run, in this process; its console output goes to ``log``.
+    With ``session``, the CPU seconds each server process used during the run are recorded."""
     from vllm.benchmarks.serve import add_cli_args, main_async
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -111,6 +113,7 @@ def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, m
     if key:
         os.environ["OPENAI_API_KEY"] = key
     t0 = time.monotonic()
+    cpu0, client0 = (procs.cpu_seconds(session) if session else {}), time.process_time()
     try:
         with open(log, "a") as out, contextlib.redirect_stdout(out):
             print(f"\n===== {side} concurrency={c} repeat={repeat} prompts={n} =====", flush=True)
@@ -125,10 +128,16 @@ def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, m
         os.environ.pop("OPENAI_API_KEY", None)
         if saved is not None:
             os.environ["OPENAI_API_KEY"] = saved
+    cpu1 = procs.cpu_seconds(session) if session else {}
+    cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items() if v - cpu0.get(k, 0.0) >= 0.05}
+    cpu["benchmark client"] = round(time.process_time() - client0, 2)
+    metrics["cpu_s"] = dict(sorted(cpu.items(), key=lambda kv: -kv[1]))
     say(f"  {side:7} c={c:<3} repeat {repeat}: {metrics['output_tok_s']:7.0f} tok/s  "
         f"{metrics['req_s']:6.2f} req/s  TTFT p50 {metrics['ttft_p50_ms']:7.1f} ms  "
         f"TPOT p50 {metrics['tpot_p50_ms']:6.2f} ms  {metrics['completed']}/{n} ok, "
         f"{metrics['total_output_tokens']} tokens  ({time.monotonic() - t0:.0f} s)")
+    if session:
+        say("          CPU s: " + ", ".join(f"{k} {v:.1f}" for k, v in list(metrics["cpu_s"].items())[:6]))
     for e in metrics["errors"]:
         say(f"    error: {e}")
     return {"metrics": metrics, "texts": texts, "num_prompts": n}
@@ -173,9 +182,10 @@ def load_model(config: Path, model_id: str) -> tuple[Any, Any]:
 
 
 def start_servers(ns: argparse.Namespace, config: Path, cfg: Any, model: Any, workdir: Path,
-                  started: list[Proc]) -> tuple[str, str, str, str | None, str]:
-    """Start direct vLLM (and the stack unless given). Returns the two root URLs, the key, the Ray
-    address for the RSS and the model path."""
+                  started: list[Proc]) -> tuple[dict[str, tuple[str, str | None, int | None]],
+                                                str | None, str]:
+    """Start direct vLLM (and the stack unless given). Returns {side: (root URL, key, session id
+    for CPU accounting)}, the Ray address for the RSS and the model path."""
     from serve_app.engine.server import engine_kwargs
     from serve_app.engine.sources import resolve_source
 
@@ -246,7 +256,9 @@ def start_servers(ns: argparse.Namespace, config: Path, cfg: Any, model: Any, wo
         ray_address = procs.ray_address_for_http_port(port, stack.pid if stack else None)
         if ray_address:
             say(f"Ray cluster of the gateway (its proxy listens on port {port}): {ray_address}")
-    return direct_url, gw_root, key, ray_address, model_path
+    gw_session = stack.pid if stack else procs.session_of_port(urlsplit(gw_root).port or 80)
+    sides = {"direct": (direct_url, None, direct.pid), "gateway": (gw_root, key, gw_session)}
+    return sides, ray_address, model_path
 
 
 def command_line(argv: list[str]) -> str:
@@ -275,18 +287,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{ns.concurrencies}, {ns.repeats} repeat(s), input {ns.input_len} / output "
         f"{ns.output_len} tokens, backend {ns.backend}; vLLM output in {log}")
 
+    def _terminate(*_: Any) -> None:
+        raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C: every started process is stopped
+
+    signal.signal(signal.SIGTERM, _terminate)
     started: list[Proc] = []
     t_start = time.monotonic()
     code = 0
     try:
-        direct_url, gw_root, key, ray_address, model_path = start_servers(
-            ns, config, cfg, model, workdir, started)
+        sides, ray_address, model_path = start_servers(ns, config, cfg, model, workdir, started)
         rss_before = gateway_rss(ray_address, workdir)
 
         runs: list[dict[str, Any]] = []
         problems: list[str] = []
         warnings: list[str] = []
-        sides = {"direct": (direct_url, None), "gateway": (gw_root, key)}
         for r in range(1, ns.repeats + 1):
             for i, c in enumerate(ns.concurrencies):
                 # Alternate which side goes first, so a drift in machine load hits both alike.
@@ -295,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"({' then '.join(order)})")
                 pair: dict[str, dict[str, Any]] = {}
                 for side in order:
-                    url, k = sides[side]
-                    pair[side] = run_one(ns, side, url, k, model.id, model_path, c, r, log, stamp)
+                    url, k, sid = sides[side]
+                    pair[side] = run_one(ns, side, url, k, model.id, model_path, c, r, log, stamp, sid)
                 found = report.check_pair(pair["direct"]["metrics"], pair["gateway"]["metrics"],
                                           prompts_for(ns, c), ns.output_len)
                 problems += [f"c={c} repeat {r}: {p}" for p in found]
@@ -319,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             "concurrencies": ns.concurrencies, "repeats": ns.repeats, "input_len": ns.input_len,
             "output_len": ns.output_len, "seed": ns.seed, "smoke": ns.smoke,
             "num_prompts": {str(c): prompts_for(ns, c) for c in ns.concurrencies},
-            "gateway": "external " + gw_root if ns.gateway_url else "started by the benchmark",
+            "gateway": ("external " + sides["gateway"][0]) if ns.gateway_url else "started by the benchmark",
             "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
             "wall_time_s": round(time.monotonic() - t_start, 1),
         }

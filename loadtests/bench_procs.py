@@ -76,6 +76,43 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
+def _label(pid: int) -> str:
+    """A short name: the process title of Ray actors and vLLM processes, else the program."""
+    args = [a for a in _cmdline(pid) if a]
+    if not args:
+        return "?"
+    if "::" in args[0]:  # ray::ServeReplica:llm:gateway.<method>, VLLM::EngineCore
+        return args[0].split(" ")[0].split(".")[0]
+    if "-m" in args[:-1]:
+        return "python -m " + args[args.index("-m") + 1]
+    prog = Path(args[0]).name
+    if prog.startswith("python") and len(args) > 1:
+        return "python " + args[1] if args[1].startswith("-") else Path(args[1]).name
+    return prog
+
+
+def cpu_seconds(sid: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each kind of process of a session."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in (sid, *session_members(sid)):
+        try:
+            raw = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2 :].split()
+        label = _label(pid)
+        out[label] = out.get(label, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def session_of_port(port: int) -> int | None:
+    """The session of the process listening on a port (to account the CPU of a running stack)."""
+    pid = _listener_pid(port)
+    st = _stat(pid) if pid is not None else None
+    return st[1] if st else None
+
+
 def _listener_pid(port: int) -> int | None:
     """The process listening on a TCP port (IPv4 or IPv6), found through its socket inode."""
     inodes: set[str] = set()

@@ -102,6 +102,9 @@ def medians(runs: list[dict[str, Any]], concurrencies: list[int]) -> dict[int, d
             if not ms:
                 continue
             med = {k: statistics.median(m[k] for m in ms) for k, _, _ in COLUMNS}
+            labels = sorted({k for m in ms for k in m.get("cpu_s", {})})
+            med["cpu_s"] = {k: statistics.median(m.get("cpu_s", {}).get(k, 0.0) for m in ms)
+                            for k in labels}
             med["repeats"] = len(ms)
             med["total_output_tokens_all_repeats"] = sum(m["total_output_tokens"] for m in ms)
             med["completed_all_repeats"] = sum(m["completed"] for m in ms)
@@ -155,6 +158,27 @@ def markdown(summary: dict[int, dict[str, Any]], rat: dict[int, dict[str, float]
         lines.append(
             f"| {c} | {r['tok_s_ratio']:.2f} | {r['ttft_p50_delta_ms']:+.1f} | {r['tpot_p50_ratio']:.2f} |"
         )
+    cpu_rows = [
+        (c, side, m) for c, sides in summary.items() for side in SIDES
+        if (m := sides.get(side)) and len(m.get("cpu_s", {})) > 1
+    ]
+    if cpu_rows:
+        lines += [
+            "",
+            "CPU seconds per 1,000 output tokens (median run; server processes and the benchmark client):",
+            "",
+            "| Concurrency | Side | Servers total | Largest server processes | Client |",
+            "| ---: | --- | ---: | --- | ---: |",
+        ]
+        for c, side, m in cpu_rows:
+            per_k = 1000.0 / m["total_output_tokens"] if m["total_output_tokens"] else 0.0
+            servers = {k: v * per_k for k, v in m["cpu_s"].items() if k != "benchmark client"}
+            top = sorted(servers.items(), key=lambda kv: -kv[1])[:4]
+            lines.append(
+                f"| {c} | {side} | {sum(servers.values()):.2f} | "
+                + ", ".join(f"{k} {v:.2f}" for k, v in top)
+                + f" | {m['cpu_s'].get('benchmark client', 0.0) * per_k:.2f} |"
+            )
     lines.append("")
     heads = []
     for c in (16, 64):
