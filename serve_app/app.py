@@ -16,7 +16,6 @@ from serve_app.engine.placement import actor_options, placement_bundles, placeme
 from serve_app.gateway.deployment import Gateway
 
 GATEWAY_DEPLOYMENT = "gateway"
-STREAM_INTERVAL_S = 0.02
 
 
 def parse_args(args: dict[str, Any] | AppConfig) -> AppConfig:
@@ -53,7 +52,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     cfg = parse_args(args)
     handles = {
         m.id: ModelServer.options(**model_deployment_options(m)).bind(
-            m.model_dump(mode="json"), cfg.cache_dir, STREAM_INTERVAL_S
+            m.model_dump(mode="json"), cfg.cache_dir
         )
         for m in cfg.models
     }

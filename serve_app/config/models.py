@@ -158,6 +158,9 @@ class ModelConfig(_Strict):
     # Another model id that answers when this one is unavailable or its queue is full.
     fallback: str | None = None
     startup_timeout_s: PositiveFloat = 900.0
+    # Streams send the role and first token at once, then at most one message per interval.
+    # Fewer, larger messages cost less CPU per token on every hop; 0 sends each engine step.
+    stream_interval_ms: float = Field(default=20.0, ge=0, le=1000)
 
     @field_validator("aliases")
     @classmethod

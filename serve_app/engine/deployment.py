@@ -25,10 +25,10 @@ logger = logging.getLogger("ray.serve")
 class ModelServer:
     """Ray Serve deployment wrapping one vLLM engine. Start-up is bounded by ``startup_timeout_s``."""
 
-    async def __init__(self, model: dict[str, Any], cache_dir: str, stream_interval_s: float) -> None:
+    async def __init__(self, model: dict[str, Any], cache_dir: str) -> None:
         self.cfg = ModelConfig.model_validate(model)
         path = await asyncio.to_thread(resolve_source, self.cfg.source, cache_dir)
-        self.server = EngineServer(self.cfg, path, stream_interval_s=stream_interval_s)
+        self.server = EngineServer(self.cfg, path)
         try:
             await asyncio.wait_for(self.server.start(), self.cfg.startup_timeout_s)
         except asyncio.TimeoutError:

@@ -84,10 +84,10 @@ def _error_item(exc: errors.ServeAppError) -> dict[str, Any]:
 class EngineServer:
     """Owns one vLLM engine and the OpenAI serving objects built around it."""
 
-    def __init__(self, cfg: ModelConfig, model_path: str, *, stream_interval_s: float = 0.02) -> None:
+    def __init__(self, cfg: ModelConfig, model_path: str) -> None:
         self.cfg = cfg
         self.model_path = model_path
-        self.stream_interval_s = stream_interval_s
+        self.stream_interval_s = cfg.stream_interval_ms / 1000.0
         self.engine: Any = None
         self._chat: Any = None
         self._completion: Any = None

@@ -162,7 +162,7 @@ def test_validation_error_drops_union_member_class_name() -> None:
 
 # ---- _coalesce ---------------------------------------------------------------------------------
 def _server(interval: float = 0.02) -> EngineServer:
-    return EngineServer(_cfg(), "/dummy/path", stream_interval_s=interval)
+    return EngineServer(_cfg(stream_interval_ms=interval * 1000), "/dummy/path")
 
 
 async def _chunks(parts: list[str], delays: list[float] | None = None) -> AsyncIterator[str]:
