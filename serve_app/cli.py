@@ -6,14 +6,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from serve_app import ingress
 
 DEFAULT_CONFIG = "configs/local.yaml"
 DEMO_KEY_ID = "local-demo"
@@ -178,11 +182,15 @@ def cmd_run(ns: argparse.Namespace) -> int:
     from ray import serve
 
     from serve_app.app import build_app
-
     from serve_app.gateway.proxy_middleware import IMPORT_PATH
 
-    # Ray's HTTP proxy reads this when it starts: it bounds the X-Request-Id it echoes.
+    # Ray's HTTP servers read this when they start: it bounds the X-Request-Id they echo.
     os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", IMPORT_PATH)
+    # Ray's processes read the ingress settings when they start, so they go in before ray.init.
+    # Short: Ray adds a 56-character node directory, and HAProxy's socket path allows 97 characters.
+    run_dir = Path(tempfile.mkdtemp(prefix="sa-", dir="/tmp"))
+    ingress.apply(ns.ingress, run_dir, host)
+    _say(f"HTTP ingress: {ingress.describe(ns.ingress)}")
     # Logical CPUs are scheduling tokens; engines pin their own threads (VLLM_CPU_OMP_THREADS_BIND).
     ray.init(
         num_cpus=max(8, os.cpu_count() or 1),
@@ -237,6 +245,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
             serve.shutdown()
         finally:
             ray.shutdown()
+            shutil.rmtree(run_dir, ignore_errors=True)
         _say("stopped")
     return code
 
@@ -269,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for readiness")
     run.add_argument("--ready-file", help="write a JSON file here once ready (for scripts)")
     run.add_argument("--verbose", action="store_true", help="stream replica logs to this terminal")
+    run.add_argument("--ingress", choices=ingress.MODES,
+                     default=os.environ.get("SERVE_APP_INGRESS", "haproxy"),
+                     help="HTTP front door: HAProxy with the gateway replicas serving HTTP directly "
+                          "(default, fastest), or Ray Serve's Python proxy actor "
+                          "(default from SERVE_APP_INGRESS)")
     run.set_defaults(func=cmd_run)
 
     keys = sub.add_parser("keys", help="create, list, rotate and revoke API keys")
