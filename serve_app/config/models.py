@@ -160,7 +160,8 @@ class ModelConfig(_Strict):
     startup_timeout_s: PositiveFloat = 900.0
     # Streams send the role and first token at once, then at most one message per interval.
     # Fewer, larger messages cost less CPU per token on every hop; 0 sends each engine step.
-    stream_interval_ms: float = Field(default=20.0, ge=0, le=1000)
+    # 50 ms is also Ray Serve LLM's default (RAYLLM_MODEL_RESPONSE_BATCH_TIMEOUT_MS).
+    stream_interval_ms: float = Field(default=50.0, ge=0, le=1000)
 
     @field_validator("aliases")
     @classmethod
