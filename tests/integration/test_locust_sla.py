@@ -152,7 +152,7 @@ def test_web_ui_sla_tab_shows_each_tier_live(stack, tier_env, tmp_path: Path) ->
         if driver is not None:
             driver.quit()
         try:
-            httpx.get(ui + "/stop", timeout=5)
+            httpx.post(ui + "/stop", timeout=10)  # POST, as the UI's stop button does
         except httpx.HTTPError:
             pass
         if proc.poll() is None:
