@@ -190,6 +190,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     # Short: Ray adds a 56-character node directory, and HAProxy's socket path allows 97 characters.
     run_dir = Path(tempfile.mkdtemp(prefix="sa-", dir="/tmp"))
     ingress.apply(ns.ingress, run_dir, host)
+    if ns.verbose:  # throughput mode keeps replica logs off stderr, which is what --verbose shows
+        os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "1")
     _say(f"HTTP ingress: {ingress.describe(ns.ingress)}")
     # Logical CPUs are scheduling tokens; engines pin their own threads (VLLM_CPU_OMP_THREADS_BIND).
     ray.init(

@@ -28,6 +28,7 @@ def test_env_turns_on_haproxy_and_direct_ingress_with_files_in_the_run_dir(tmp_p
     env = ingress.haproxy_env(tmp_path, "127.0.0.1", "/bin/true")
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     for key in ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH",
                 "RAY_SERVE_HAPROXY_SERVER_STATE_FILE", "RAY_SERVE_HAPROXY_BINARY_PATH"):
         assert Path(env[key]).parent == tmp_path, key
