@@ -178,21 +178,24 @@ def cmd_run(ns: argparse.Namespace) -> int:
         cmd_build_tiny_model(argparse.Namespace(cache_dir=cfg.cache_dir, force=False))
 
     _say("starting Ray (local, loopback only) ...")
-    import ray
-    from ray import serve
-
-    from serve_app.app import build_app
     from serve_app.gateway.proxy_middleware import IMPORT_PATH
 
     # Ray's HTTP servers read this when they start: it bounds the X-Request-Id they echo.
     os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", IMPORT_PATH)
-    # Ray's processes read the ingress settings when they start, so they go in before ray.init.
+    # Ray Serve reads the ingress settings once, when ray.serve is first imported, in every
+    # process: Ray's own (so before ray.init) and this one, which builds the app and its
+    # deployment handles (so before the import; otherwise the handles between the gateway and
+    # the models keep Ray's default transport instead of throughput mode's gRPC).
     # Short: Ray adds a 56-character node directory, and HAProxy's socket path allows 97 characters.
     run_dir = Path(tempfile.mkdtemp(prefix="sa-", dir="/tmp"))
     ingress.apply(ns.ingress, run_dir, host)
     if ns.verbose:  # throughput mode keeps replica logs off stderr, which is what --verbose shows
         os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "1")
     _say(f"HTTP ingress: {ingress.describe(ns.ingress)}")
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
     # Logical CPUs are scheduling tokens; engines pin their own threads (VLLM_CPU_OMP_THREADS_BIND).
     ray.init(
         num_cpus=max(8, os.cpu_count() or 1),

@@ -53,4 +53,9 @@ class Gateway:
         )
         # ru_maxrss is in KiB on Linux.
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return {"heavy_modules": heavy, "peak_rss_bytes": peak, "keys_file": str(self.deps.keys.path)}
+        return {
+            "heavy_modules": heavy,
+            "peak_rss_bytes": peak,
+            "keys_file": str(self.deps.keys.path),
+            "model_transport": self.deps.pipeline.forwarder.transport,
+        }

@@ -51,6 +51,9 @@ class Forwarder:
         }
         self.cfg = cfg
         self._pending: set[asyncio.Task[None]] = set()
+        # How the last call travelled: "grpc" (Ray Serve's throughput mode) or "object refs"
+        # (Ray's default). Reported by the replica's diagnostics; the bench and tests check it.
+        self.transport = "none yet"
 
     def _unavailable(self, model_id: str, why: str) -> errors.ServiceUnavailable:
         return errors.ServiceUnavailable(
@@ -91,6 +94,7 @@ class Forwarder:
     ) -> Response:
         handle = self._handles[model_id]
         gen = getattr(handle, method).remote(body, ctx.to_dict())
+        self.transport = "object refs" if getattr(gen, "by_reference", True) else "grpc"
         try:
             async with asyncio.timeout(self.cfg.request_timeout_s):
                 first = await gen.__anext__()
