@@ -158,8 +158,10 @@ class ModelConfig(_Strict):
     # Another model id that answers when this one is unavailable or its queue is full.
     fallback: str | None = None
     startup_timeout_s: PositiveFloat = 900.0
-    # Streams send the role and first token at once, then at most one message per interval.
-    # Fewer, larger messages cost less CPU per token on every hop; 0 sends each engine step.
+    # Streams send the role and first token at once, then read the engine at most once per
+    # interval; vLLM merges the tokens made meanwhile into one output, which becomes one SSE event
+    # and one message. Fewer, larger events cost less CPU per token on every hop; 0 sends each
+    # engine step.
     # 50 ms is also Ray Serve LLM's default (RAYLLM_MODEL_RESPONSE_BATCH_TIMEOUT_MS).
     stream_interval_ms: float = Field(default=50.0, ge=0, le=1000)
 

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from serve_app import errors
 from serve_app.config import ModelConfig
+from serve_app.engine.pacing import PacedEngineClient
 from serve_app.protocol import SSE_DONE, RequestContext, head, sse_event, trailer
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,6 @@ class EngineServer:
     def __init__(self, cfg: ModelConfig, model_path: str) -> None:
         self.cfg = cfg
         self.model_path = model_path
-        self.stream_interval_s = cfg.stream_interval_ms / 1000.0
         self.engine: Any = None
         self._chat: Any = None
         self._completion: Any = None
@@ -120,6 +120,11 @@ class EngineServer:
         await init_app_state(self.engine, state, args, supported_tasks=tasks)
         self._chat = getattr(state, "openai_serving_chat", None)
         self._completion = getattr(state, "openai_serving_completion", None)
+        # Streams read the engine at most once per interval, so vLLM merges tokens in between.
+        paced = PacedEngineClient(self.engine, self.cfg.stream_interval_ms / 1000.0)
+        for serving in (self._chat, self._completion):
+            if serving is not None:
+                serving.engine_client = paced
         self._embedding = getattr(state, "serving_embedding", None)
         self.max_model_len = vllm_config.model_config.max_model_len
         logger.info(
@@ -255,12 +260,14 @@ class EngineServer:
         yield head(200, result.model_dump_json(exclude_unset=False).encode(), usage=usage)
 
     async def _coalesce(self, chunks: AsyncIterator[str], wants_usage: bool = True) -> AsyncIterator[Any]:
-        """Relay vLLM's SSE strings as few messages: the first at once, then at most one per interval.
+        """Relay vLLM's SSE strings as few messages: whatever is ready goes out as one.
 
-        The usage chunk is read for the trailer (and dropped if the client did not ask for it).
+        The pacing happens upstream (``PacedEngineClient``): each engine output becomes a burst of
+        SSE strings (role and first token; last token, usage and ``[DONE]``), and a burst travels
+        as one message. The usage chunk is read for the trailer (and dropped if the client did not
+        ask for it).
 
-        A pump task drains the engine into a queue; the consumer sleeps out the rest of the interval
-        after each flush and then takes everything queued. If the consumer is cancelled (the client
+        A pump task drains vLLM's generator into a queue. If the consumer is cancelled (the client
         went away), the pump is cancelled too, which makes vLLM abort the request in the engine.
         """
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -278,18 +285,10 @@ class EngineServer:
 
         task = asyncio.create_task(pump())
         first = True
-        last_flush = 0.0
-        # vLLM's first chat event carries only the role; the first token comes right after it.
-        # Both go out as soon as they exist, so coalescing never delays the first token.
-        urgent = 2
         usage: dict[str, Any] | None = None
         try:
             while True:
                 item = await queue.get()
-                if urgent <= 0:
-                    wait = last_flush + self.stream_interval_s - time.monotonic()
-                    if wait > 0 and item is not _END:
-                        await asyncio.sleep(wait)
                 parts: list[bytes] = []
                 done = False
                 while True:
@@ -307,7 +306,6 @@ class EngineServer:
                             item = ""
                     if item:
                         parts.append(item.encode())
-                        urgent -= 1
                     if queue.empty():
                         break
                     item = queue.get_nowait()
@@ -317,7 +315,6 @@ class EngineServer:
                     first = False
                 elif data:
                     yield data
-                last_flush = time.monotonic()
                 if done:
                     yield trailer(usage)
                     return

@@ -47,6 +47,24 @@ def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+def test_stream_merges_tokens_without_losing_any(client: openai.OpenAI) -> None:
+    """Streams read the engine once per stream_interval_ms, so an event carries several tokens;
+    the text and the per-token logprobs are exactly those of the same request unstreamed."""
+    req = dict(model="tiny-chat", messages=[{"role": "user", "content": "tell a story"}],
+               max_tokens=64, temperature=0, logprobs=True, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**req)
+    chunks = list(client.chat.completions.create(
+        **req, stream=True, stream_options={"include_usage": True}))
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    text = "".join(d.delta.content or "" for d in deltas)
+    logprobs = [lp for d in deltas if d.logprobs and d.logprobs.content for lp in d.logprobs.content]
+    assert text == whole.choices[0].message.content
+    assert [lp.token for lp in logprobs] == [lp.token for lp in whole.choices[0].logprobs.content]
+    assert len(logprobs) == chunks[-1].usage.completion_tokens == 64
+    content_events = [d for d in deltas if d.delta.content]
+    assert len(content_events) < 64  # tokens were merged (one event per interval, not per token)
+
+
 def test_stream_wire_format_ends_with_done(stack) -> None:
     with httpx.stream(
         "POST",

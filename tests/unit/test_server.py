@@ -161,13 +161,14 @@ def test_validation_error_drops_union_member_class_name() -> None:
 
 
 # ---- _coalesce ---------------------------------------------------------------------------------
-def _server(interval: float = 0.02) -> EngineServer:
-    return EngineServer(_cfg(stream_interval_ms=interval * 1000), "/dummy/path")
+def _server() -> EngineServer:
+    return EngineServer(_cfg(), "/dummy/path")
 
 
 async def _chunks(parts: list[str], delays: list[float] | None = None) -> AsyncIterator[str]:
+    """vLLM's SSE strings; a delay of 0 means "in the same burst" (no await in between)."""
     for i, part in enumerate(parts):
-        if delays:
+        if delays and delays[i] > 0:
             await asyncio.sleep(delays[i])
         yield part
 
@@ -203,34 +204,29 @@ def test_coalesce_first_item_is_stream_head_with_first_chunk() -> None:
 
 def test_coalesce_flushes_first_chunk_without_waiting_for_the_rest() -> None:
     parts = ["data: first\n\n", "data: second\n\n"]
-    items = asyncio.run(_collect(_server(0.02), _chunks(parts, [0.0, 0.5])))
+    items = asyncio.run(_collect(_server(), _chunks(parts, [0.0, 0.5])))
     assert items[0][1]["body"] == parts[0].encode()
     assert items[0][0] < 0.3
     assert _joined(items) == "".join(parts).encode()
 
 
-def test_coalesce_batches_chunks_within_the_interval() -> None:
-    parts = ["data: a\n\n", "data: b\n\n", "data: c\n\n", "data: d\n\n", "data: e\n\n"]
-    items = asyncio.run(_collect(_server(0.4), _chunks(parts, [0.0, 0.02, 0.01, 0.01, 0.01])))
-    # The role event and the first token at once, then the rest together after the interval.
-    assert items[0][1]["body"] == parts[0].encode()
-    assert _relayed(items) == [parts[1].encode(), "".join(parts[2:]).encode()]
+def test_coalesce_sends_each_burst_as_one_message() -> None:
+    """One engine output becomes several SSE strings at once; they travel together."""
+    parts = ["data: role\n\n", "data: tok1\n\n", "data: tok2-4\n\n", "data: usage\n\n",
+             "data: [DONE]\n\n"]
+    items = asyncio.run(_collect(_server(), _chunks(parts, [0.0, 0.0, 0.05, 0.05, 0.0])))
+    assert items[0][1]["body"] == "".join(parts[:2]).encode()
+    assert _relayed(items) == [parts[2].encode(), "".join(parts[3:]).encode()]
 
 
-def test_coalesce_never_delays_the_first_token() -> None:
-    """vLLM sends the role first; the first token must not wait out a coalescing interval."""
-    parts = ["data: role\n\n", "data: tok1\n\n", "data: tok2\n\n"]
-
-    async def timed() -> list[float]:
-        server = _server(0.5)
-        t0 = time.monotonic()
-        stamps = []
-        async for _ in server._coalesce(_chunks(parts, [0.0, 0.05, 0.01])):
-            stamps.append(time.monotonic() - t0)
-        return stamps
-
-    stamps = asyncio.run(timed())
-    assert stamps[1] < 0.3  # the first token: well before the 0.5 s interval
+def test_coalesce_relays_each_output_as_soon_as_it_exists() -> None:
+    """The pacing is upstream (PacedEngineClient); the relay itself never holds bytes back."""
+    parts = ["data: role\n\n", "data: a\n\n", "data: b\n\n"]
+    delays = [0.0, 0.2, 0.2]
+    items = asyncio.run(_collect(_server(), _chunks(parts, delays)))
+    stamps = [t for t, _ in items[:3]]
+    assert stamps[0] < 0.1
+    assert 0.15 < stamps[1] < 0.35 and 0.35 < stamps[2] < 0.55
 
 
 def test_coalesce_empty_stream_still_sends_a_head() -> None:
