@@ -52,7 +52,7 @@ class Forwarder:
         self.cfg = cfg
         self._pending: set[asyncio.Task[None]] = set()
         # How the last call travelled: "grpc" (Ray Serve's throughput mode) or "object refs"
-        # (Ray's default). Reported by the replica's diagnostics; the bench and tests check it.
+        # (Ray's default). In the replica's diagnostics (serve-app diagnose); a test checks it.
         self.transport = "none yet"
 
     def _unavailable(self, model_id: str, why: str) -> errors.ServiceUnavailable:
