@@ -185,7 +185,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     # Ray Serve reads the ingress settings once, when ray.serve is first imported, in every
     # process: Ray's own (so before ray.init) and this one, which builds the app and its
     # deployment handles (so before the import; otherwise the handles between the gateway and
-    # the models keep Ray's default transport instead of throughput mode's gRPC).
+    # the models would not get the transport that ingress.py chooses).
     # Short: Ray adds a 56-character node directory, and HAProxy's socket path allows 97 characters.
     run_dir = Path(tempfile.mkdtemp(prefix="sa-", dir="/tmp"))
     ingress.apply(ns.ingress, run_dir, host)
