@@ -116,6 +116,10 @@ class ServiceUnavailable(ServeAppError):
         self.headers.setdefault("Retry-After", str(max(1, int(retry_after_s))))
 
 
+class Shed(ServiceUnavailable):
+    """The model is saturated and the key's tier is shed before the tiers above it."""
+
+
 class GatewayTimeout(ServeAppError):
     status = 504
     type = "server_error"

@@ -1,9 +1,16 @@
 """Admission: a key's tier decides its limits, its scheduling priority and when it is shed.
 
 ``Admission.admit`` runs before a request reaches a model. It clamps ``max_tokens`` to the tier's
-cap, reserves tokens, charges every configured limit at once (key and tier, RPM, TPM and
-concurrency), and sheds the request with 503 when the model is saturated for that tier. The
-returned ``Ticket`` is settled exactly once when the request ends, with the real token usage.
+cap, takes a slot on the first candidate model with room, reserves tokens, and charges every
+configured limit at once (key and tier, RPM, TPM and concurrency). The returned ``Ticket`` is
+settled exactly once when the request ends, with the real token usage.
+
+A model has room for a key when its in-flight requests (this replica's count, scaled to all
+gateway replicas) are below both its capacity (``max_ongoing_requests`` x replicas +
+``max_queued_requests``; 503 for every tier) and its tier's share of ``saturation_requests`` (503
+for that tier). The gateway enforces the capacity itself: Ray Serve's ``max_queued_requests`` is
+counted per caller and only for requests waiting to be routed, so a burst can pass it. The slot is
+taken in the same step as the check, with no ``await`` between, so a burst cannot pass it here.
 """
 
 from __future__ import annotations
@@ -12,10 +19,11 @@ import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 from serve_app import errors
-from serve_app.config import AppConfig, KeyRecord, Limits, TierConfig
+from serve_app.config import AppConfig, KeyRecord, Limits, ModelConfig, TierConfig
 from serve_app.gateway.limits import Charge, LimitBackend, Verdict, clock
 
 logger = logging.getLogger("ray.serve")
@@ -44,6 +52,15 @@ def _fmt_reset(seconds: float) -> str:
     return f"{int(s // 60)}m{round(s % 60)}s"
 
 
+def model_capacity(m: ModelConfig) -> int | None:
+    """Requests a model deployment holds at most, running or queued; None when unbounded."""
+    d = m.deployment
+    if d.max_queued_requests == -1:
+        return None
+    replicas = d.autoscaling_config.max_replicas if d.autoscaling_config else (d.num_replicas or 1)
+    return d.max_ongoing_requests * replicas + d.max_queued_requests
+
+
 def _requested_max_tokens(body: dict[str, Any]) -> Any:
     for name in ("max_completion_tokens", "max_tokens"):
         if body.get(name) is not None:
@@ -61,6 +78,7 @@ class Admission:
         self._saturation = {
             m.id: m.admission.saturation_requests for m in cfg.models
         }
+        self._capacity = {m.id: model_capacity(m) for m in cfg.models}
 
     def tier(self, key: KeyRecord) -> TierConfig:
         return self.cfg.tiers.get(key.tier) or self.cfg.tiers[self.cfg.default_tier]
@@ -110,11 +128,25 @@ class Admission:
         return h
 
     async def admit(
-        self, key: KeyRecord, model_id: str, body: dict[str, Any], body_bytes: int
+        self, key: KeyRecord, model_ids: Sequence[str], body: dict[str, Any], body_bytes: int
     ) -> Ticket:
+        """Admit on the first of ``model_ids`` with room (the primary, then its fallback)."""
         completion = self.clamp_max_tokens(body, key)
         reserve = completion + math.ceil(body_bytes / _BYTES_PER_TOKEN)
-        self._shed_if_saturated(key, model_id)
+        model_id = self._take_slot(key, model_ids)
+        try:
+            return await self._charge(key, model_id, reserve, completion)
+        except BaseException:
+            self.inflight[model_id] -= 1
+            raise
+
+    def move(self, ticket: Ticket, key: KeyRecord, model_id: str) -> None:
+        """Move an admitted request to another model (its fallback) if that one has room."""
+        self._take_slot(key, [model_id])
+        self.inflight[ticket.model_id] -= 1
+        ticket.model_id = model_id
+
+    async def _charge(self, key: KeyRecord, model_id: str, reserve: int, completion: int) -> Ticket:
         charges, rpm, tpm = self._charges(key, reserve)
         try:
             verdict = await self.backend.admit(charges, clock())
@@ -146,7 +178,6 @@ class Admission:
                     "retry-after-ms": str(max(1, math.ceil(wait * 1000))),
                 },
             )
-        self.inflight[model_id] += 1
         return Ticket(
             model_id=model_id,
             reserved_tokens=reserve,
@@ -156,18 +187,36 @@ class Admission:
             headers=headers,
         )
 
-    def _shed_if_saturated(self, key: KeyRecord, model_id: str) -> None:
-        saturation = self._saturation.get(model_id)
-        tier = self.tier(key)
-        if saturation is None or tier.shed_at >= 1.0:
-            return
+    def _take_slot(self, key: KeyRecord, model_ids: Sequence[str]) -> str:
+        """Count the request in flight on the first model with room, or raise the first refusal."""
+        refusals = []
+        for model_id in model_ids:
+            refusal = self._refusal(key, model_id)
+            if refusal is None:
+                self.inflight[model_id] += 1
+                return model_id
+            refusals.append(refusal)
+        raise refusals[0]
+
+    def _refusal(self, key: KeyRecord, model_id: str) -> errors.ServiceUnavailable | None:
         # Each gateway replica sees its share of the traffic; scale its count to the whole.
         load = self.inflight[model_id] * self.cfg.gateway.num_replicas
-        if load >= tier.shed_at * saturation:
-            raise errors.ServiceUnavailable(
-                f"model {model_id!r} is saturated; tier {key.tier!r} is shed first. Retry shortly.",
-                retry_after_s=self.cfg.gateway.retry_after_s,
+        retry = self.cfg.gateway.retry_after_s
+        capacity = self._capacity.get(model_id)
+        if capacity is not None and load >= capacity:
+            return errors.ServiceUnavailable(
+                f"model {model_id!r} is at capacity ({capacity} requests running or queued). "
+                "Retry shortly.",
+                retry_after_s=retry,
             )
+        saturation = self._saturation.get(model_id)
+        tier = self.tier(key)
+        if saturation is not None and tier.shed_at < 1.0 and load >= tier.shed_at * saturation:
+            return errors.Shed(
+                f"model {model_id!r} is saturated; tier {key.tier!r} is shed first. Retry shortly.",
+                retry_after_s=retry,
+            )
+        return None
 
     async def settle(self, ticket: Ticket, used_tokens: int | None) -> None:
         """Release concurrency and refund the unused token reservation (or charge the overrun)."""

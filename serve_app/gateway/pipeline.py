@@ -47,12 +47,17 @@ class Pipeline:
                 param="model",
             )
         model_id = route.pick()
+        fallback = self.router.fallback(model_id)
+        candidates = [model_id] if fallback is None else [model_id, fallback]
         try:
-            ticket = await self.admission.admit(key, model_id, body, size)
+            ticket = await self.admission.admit(key, candidates, body, size)
         except (errors.RateLimited, errors.ServiceUnavailable) as exc:
-            reason = "rate_limit" if isinstance(exc, errors.RateLimited) else "shed"
+            reason = ("rate_limit" if isinstance(exc, errors.RateLimited)
+                      else "shed" if isinstance(exc, errors.Shed) else "backpressure")
             await self.usage.rejected(key, model_id, reason)
             raise
+        if ticket.model_id != model_id:
+            logger.warning("model %s has no room; falling back to %s", model_id, ticket.model_id)
         tier = self.admission.tier(key)
         ctx = RequestContext(
             request_id=uuid.uuid4().hex,
@@ -63,9 +68,8 @@ class Pipeline:
             tenant=key.tenant_id,
         )
         # x-request-id is set by Ray Serve's proxy (bounded by gateway/proxy_middleware.py).
-        headers = {"x-served-by": model_id, **ticket.headers}
-        fallback = self.router.fallback(model_id)
-        retry = {"pending": fallback is not None}
+        headers = {"x-served-by": ticket.model_id, **ticket.headers}
+        retry = {"pending": fallback is not None and ticket.model_id != fallback}
 
         async def on_done(out: Outcome) -> None:
             if out.status == 503 and retry["pending"]:
@@ -76,17 +80,24 @@ class Pipeline:
                 used = ticket.reserved_tokens - ticket.completion_tokens + out.events
             await self.admission.settle(ticket, used)
             if out.status == 503:
-                await self.usage.rejected(key, model_id, "backpressure")
+                await self.usage.rejected(key, ticket.model_id, "backpressure")
             else:
-                await self.usage.finished(key, tier, model_id, out)
+                await self.usage.finished(key, tier, ticket.model_id, out)
 
         try:
-            return await self.forwarder.forward(model_id, method, body, ctx, headers, on_done)
+            return await self.forwarder.forward(ticket.model_id, method, body, ctx, headers, on_done)
         except errors.ServiceUnavailable:
-            if fallback is None:
+            if not retry["pending"]:
                 raise
+        # The model refused it (Ray Serve's own queue bound, or no replica): try the fallback.
+        assert fallback is not None
+        retry["pending"] = False  # whatever happens next settles the ticket
+        try:
+            self.admission.move(ticket, key, fallback)
+        except errors.ServiceUnavailable:
+            await on_done(Outcome(status=503))
+            raise
         logger.warning("model %s unavailable; falling back to %s", model_id, fallback)
         headers["x-served-by"] = fallback
-        retry["pending"] = False  # whatever the fallback answers settles the ticket
         second = dataclasses.replace(ctx, request_id=uuid.uuid4().hex)
         return await self.forwarder.forward(fallback, method, body, second, headers, on_done)
