@@ -72,14 +72,12 @@ def haproxy_env(run_dir: Path, host: str, binary: str) -> dict[str, str]:
         # No external load balancer has to notice a replica leaving, so Ctrl-C need not wait 30 s.
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
         # Ray Serve's throughput mode: user code and the handle router on the replica's own event
-        # loop (no cross-thread hand-off per chunk), GC frozen after start-up. It also implies
-        # direct ingress. bench, c16/c64: 0.70/0.66 -> 0.92/0.86.
+        # loop (no cross-thread hand-off per chunk), gRPC instead of Ray object references between
+        # deployments, GC frozen after start-up. It also implies direct ingress. bench, c16/c64:
+        # 0.70/0.66 -> 0.92/0.86; gRPC alone, c64: 0.40 -> 0.63 (the gateway's CPU per token /3).
+        # Ray Serve's max_queued_requests does not bound a burst on either transport; the gateway
+        # enforces each model's capacity itself (serve_app/gateway/admission.py).
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-        # ... but not its gRPC transport between deployments. gRPC cut the gateway's CPU per token
-        # to a third (c64 ratio 0.40 -> 0.63), yet with it Ray Serve's max_queued_requests did not
-        # always shed: test_back_pressure_is_503_with_retry_after failed in 2 of 3 full suite runs
-        # (all 48 streams accepted). Back-pressure is a promise to clients; speed is not worth it.
-        "RAY_SERVE_USE_GRPC_BY_DEFAULT": "0",
     }
 
 
