@@ -78,11 +78,21 @@ def test_stream_reads_at_most_once_per_interval_and_loses_nothing() -> None:
     assert min(gaps) >= 0.045
 
 
-def test_final_output_is_not_held_back_after_the_last_read() -> None:
-    engine = FakeEngine(steps=3, step_s=0.3)  # slower than the interval: nothing to merge
-    got = asyncio.run(_read(PacedEngineClient(engine, 0.05), STREAM))
-    assert [o.tokens for _, o in got] == [[0], [1], [2]]
-    assert got[-1][0] < 1.1
+def test_the_stream_ends_at_once_after_the_final_output() -> None:
+    """No pause after a finished output: the pacer's sleep (0.5 s here) would show as a gap."""
+    engine = FakeEngine(steps=3, step_s=0.01)
+
+    async def scenario() -> tuple[list[list[int]], float]:
+        outs = []
+        last = 0.0
+        async for o in PacedEngineClient(engine, 0.5).generate("p", STREAM, "r1"):
+            outs.append(o.tokens)
+            last = time.monotonic()
+        return outs, time.monotonic() - last
+
+    outs, tail = asyncio.run(scenario())
+    assert outs == [[0], [1, 2]]  # the first token at once, the rest merged in one interval
+    assert tail < 0.25, f"the stream ended {tail:.2f} s after its final output"
 
 
 @pytest.mark.parametrize(("params", "interval"), [(FINAL, 0.05), (STREAM, 0.0)])
