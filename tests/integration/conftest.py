@@ -28,9 +28,11 @@ MAX_MODEL_LEN = 2048  # as in configs/local.yaml
 MAX_BODY_BYTES = 256 * 1024
 # The engine runs 4 sequences at once, so requests queue inside vLLM, where tier priority decides.
 MAX_NUM_SEQS = 4
-MAX_ONGOING = 16
+MAX_ONGOING = 24
 MAX_QUEUED = 8
-SATURATION = 24  # batch (shed_at 0.5) is shed above 12 requests in flight
+# Batch (shed_at 0.5) is shed above 20 requests in flight: 16 waiting behind the engine's 4, deep
+# enough that premium jumping the queue shows in its TTFT. Capacity is 24 + 8 = 32.
+SATURATION = 40
 GATEWAY_REPLICAS = 2
 
 

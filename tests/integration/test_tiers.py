@@ -155,12 +155,14 @@ def test_overload_sheds_batch_first_and_premium_keeps_its_ttft(stack) -> None:
     async def load() -> tuple[list[Result], list[Result]]:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=300,
                                      limits=httpx.Limits(max_connections=250)) as c:
-            # Batch arrives at 8 requests a second for 5 s, each 128 tokens long: a few times
-            # what the engine serves (4 sequences at once, about a second each), so its queue
-            # fills to the shed bound and stays there; premium arrives in the middle of it. (A
-            # faster flood mostly measures the front end starving for CPU on 2 cores.)
+            # Batch opens with a burst of 24, past its shed bound (20 in flight) before any of
+            # them can finish, then keeps arriving at 8 a second for 5 s, each 256 tokens long:
+            # several times what the engine serves (4 sequences at once, about 2 s each), so its
+            # queue stays at the shed bound. Premium arrives in the middle of it. (A much faster
+            # flood mostly measures the front end starving for CPU on 2 cores.)
             origin = time.monotonic()
-            b = [stream(c, batch, 0.125 * i, 128, origin) for i in range(40)]
+            b = [stream(c, batch, 0.01 * i, 256, origin) for i in range(24)]
+            b += [stream(c, batch, 0.25 + 0.125 * i, 256, origin) for i in range(40)]
             p = [stream(c, premium, 1.5 + 0.5 * i, 16, origin) for i in range(6)]
             res = await asyncio.gather(*b, *p)
             return list(res[: len(b)]), list(res[len(b):])
