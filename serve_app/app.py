@@ -44,7 +44,7 @@ def model_deployment_options(m: ModelConfig) -> dict[str, Any]:
     if d.autoscaling_config is not None:
         opts["autoscaling_config"] = d.autoscaling_config.model_dump(exclude_none=True)
     else:
-        opts["num_replicas"] = d.num_replicas or 1
+        opts["num_replicas"] = d.replicas
     return opts
 
 

@@ -107,6 +107,19 @@ class DeploymentOptions(_Strict):
             raise ValueError("max_queued_requests (0) must be -1 (no limit) or a positive integer")
         return v
 
+    @property
+    def replicas(self) -> int:
+        """Replicas when not autoscaling (Ray Serve's default is one)."""
+        return self.num_replicas or 1
+
+    @property
+    def capacity(self) -> int | None:
+        """Requests the deployment holds at most (at its largest), running or queued; None if unbounded."""
+        if self.max_queued_requests == -1:
+            return None
+        most = self.autoscaling_config.max_replicas if self.autoscaling_config else self.replicas
+        return self.max_ongoing_requests * most + self.max_queued_requests
+
     @model_validator(mode="after")
     def _one_scaling_mode(self) -> DeploymentOptions:
         if self.num_replicas is not None and self.autoscaling_config is not None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app import errors
-from serve_app.config import AppConfig, KeyRecord, Limits, ModelConfig, TierConfig
+from serve_app.config import AppConfig, KeyRecord, Limits, TierConfig
 from serve_app.gateway.limits import Charge, LimitBackend, Verdict, clock
 
 logger = logging.getLogger("ray.serve")
@@ -52,15 +52,6 @@ def _fmt_reset(seconds: float) -> str:
     return f"{int(s // 60)}m{round(s % 60)}s"
 
 
-def model_capacity(m: ModelConfig) -> int | None:
-    """Requests a model deployment holds at most, running or queued; None when unbounded."""
-    d = m.deployment
-    if d.max_queued_requests == -1:
-        return None
-    replicas = d.autoscaling_config.max_replicas if d.autoscaling_config else (d.num_replicas or 1)
-    return d.max_ongoing_requests * replicas + d.max_queued_requests
-
-
 def _requested_max_tokens(body: dict[str, Any]) -> Any:
     for name in ("max_completion_tokens", "max_tokens"):
         if body.get(name) is not None:
@@ -78,7 +69,7 @@ class Admission:
         self._saturation = {
             m.id: m.admission.saturation_requests for m in cfg.models
         }
-        self._capacity = {m.id: model_capacity(m) for m in cfg.models}
+        self._capacity = {m.id: m.deployment.capacity for m in cfg.models}
 
     def tier(self, key: KeyRecord) -> TierConfig:
         return self.cfg.tiers.get(key.tier) or self.cfg.tiers[self.cfg.default_tier]

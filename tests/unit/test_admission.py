@@ -9,7 +9,7 @@ import pytest
 
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord, ModelConfig
-from serve_app.gateway.admission import Admission, model_capacity
+from serve_app.gateway.admission import Admission
 from serve_app.gateway.limits import Charge, MemoryBackend, Verdict
 
 DIGEST = "sha256:" + "0" * 64
@@ -62,15 +62,15 @@ def _burst(adm: Admission, key: KeyRecord, n: int, models: list[str]) -> list[An
 
 def test_capacity_is_ongoing_times_replicas_plus_queue() -> None:
     m = _cfg().models[0]
-    assert model_capacity(m) == 4 * 1 + 2
+    assert m.deployment.capacity == 4 * 1 + 2
     scaled = ModelConfig.model_validate({
         "id": "x", "source": "builtin:tiny-chat",
         "deployment": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3},
                        "max_ongoing_requests": 8, "max_queued_requests": 5},
     })
-    assert model_capacity(scaled) == 8 * 3 + 5
+    assert scaled.deployment.capacity == 8 * 3 + 5
     unbounded = ModelConfig.model_validate({"id": "y", "source": "builtin:tiny-chat"})
-    assert model_capacity(unbounded) is None
+    assert unbounded.deployment.capacity is None
 
 
 def test_a_burst_never_passes_capacity_even_with_a_slow_backend() -> None:
