@@ -199,9 +199,12 @@ class ProcExited(RuntimeError):
 
 def spawn(name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
     out = open(log, "wb")
+    # A process group of its own (stopped as a whole), but this session: Linux shares CPU time
+    # between sessions ("autogroup"), and a server in a session of its own starved the load client
+    # beside it (tests/integration/conftest.py has the measurement).
     try:
         popen = subprocess.Popen(
-            argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0
         )
     finally:
         out.close()

@@ -142,7 +142,7 @@ def start_stack(config: Path, workdir: Path, tiers: list[str], timeout_s: float)
         proc = subprocess.Popen(
             [sys.executable, "-m", "serve_app.cli", "run", "--config", str(config),
              "--ready-file", str(ready), "--timeout", str(int(timeout_s))],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, process_group=0,
         )
     t0 = time.monotonic()
     last = 0.0

@@ -96,7 +96,7 @@ def test_web_ui_sla_tab_shows_each_tier_live(stack, tier_env, tmp_path: Path) ->
         proc = subprocess.Popen(
             [*_locust_args(stack), "--host", stack.root_url, "--web-host", "127.0.0.1",
              "--web-port", str(port)],
-            cwd=ROOT, env=tier_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=ROOT, env=tier_env, stdout=out, stderr=subprocess.STDOUT, process_group=0,
         )
     driver = None
     try:
