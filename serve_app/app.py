@@ -52,7 +52,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     cfg = parse_args(args)
     handles = {
         m.id: ModelServer.options(**model_deployment_options(m)).bind(
-            m.model_dump(mode="json"), cfg.cache_dir
+            m.model_dump(mode="json"), cfg.cache_dir, cfg.top_priority
         )
         for m in cfg.models
     }

@@ -146,11 +146,16 @@ class Accelerator(_Strict):
 
 
 class Admission(_Strict):
-    """When a model counts as saturated, for shedding tiers (see ``TierConfig.shed_at``)."""
+    """When a model counts as saturated, for shedding tiers (see ``TierConfig.shed_at``), and the
+    engine slots kept for the top tier."""
 
     # In-flight requests (all gateway replicas together) at which the model is saturated;
     # None disables tier shedding for this model (Ray Serve's max_queued_requests still applies).
     saturation_requests: PositiveInt | None = None
+    # Slots of each engine (of engine.max_num_seqs) that only the top tier (the lowest priority
+    # value) may take. vLLM's scheduler never preempts for priority, so without a reserve a
+    # premium request waits for a long batch stream to finish. 0 turns the reserve off.
+    reserved_slots: NonNegativeInt = 0
 
 
 class ModelConfig(_Strict):
@@ -192,6 +197,27 @@ class ModelConfig(_Strict):
         if self.accelerator.kind == "cpu" and backend == "ray":
             raise ValueError(
                 "engine.distributed_executor_backend ('ray') is refused by vLLM on CPU; use 'mp'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _reserve_fits_engine(self) -> ModelConfig:
+        reserved = self.admission.reserved_slots
+        if not reserved:
+            return self
+        if self.task != "generate":
+            raise ValueError(
+                f"admission.reserved_slots ({reserved}) needs a generate model, not {self.task}"
+            )
+        if self.engine.scheduling_policy != "priority":
+            raise ValueError(
+                f"admission.reserved_slots ({reserved}) needs engine.scheduling_policy 'priority'"
+            )
+        seqs = self.engine.max_num_seqs
+        if seqs is None or reserved >= seqs:
+            raise ValueError(
+                f"admission.reserved_slots ({reserved}) must be < engine.max_num_seqs ({seqs}); "
+                "set max_num_seqs"
             )
         return self
 
@@ -335,6 +361,11 @@ class AppConfig(_Strict):
                 f"default_tier ({self.default_tier!r}) is not one of tiers {sorted(self.tiers)}"
             )
         return self
+
+    @property
+    def top_priority(self) -> int:
+        """The best (lowest) tier priority: the tier that may take a model's reserved slots."""
+        return min(t.priority for t in self.tiers.values())
 
     def model(self, model_id: str) -> ModelConfig:
         for m in self.models:

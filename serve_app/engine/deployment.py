@@ -25,10 +25,10 @@ logger = logging.getLogger("ray.serve")
 class ModelServer:
     """Ray Serve deployment wrapping one vLLM engine. Start-up is bounded by ``startup_timeout_s``."""
 
-    async def __init__(self, model: dict[str, Any], cache_dir: str) -> None:
+    async def __init__(self, model: dict[str, Any], cache_dir: str, top_priority: int = 0) -> None:
         self.cfg = ModelConfig.model_validate(model)
         path = await asyncio.to_thread(resolve_source, self.cfg.source, cache_dir)
-        self.server = EngineServer(self.cfg, path)
+        self.server = EngineServer(self.cfg, path, top_priority)
         try:
             await asyncio.wait_for(self.server.start(), self.cfg.startup_timeout_s)
         except asyncio.TimeoutError:
@@ -50,8 +50,13 @@ class ModelServer:
             yield item
 
     async def stats(self) -> dict[str, Any]:
-        """Engine facts for operators and tests: requests the engine still holds."""
-        return {"model": self.cfg.id, "unfinished_requests": self.server.unfinished_requests()}
+        """Engine facts for operators and tests: requests the engine holds, and those waiting in
+        this replica for a slot (``admission.reserved_slots``)."""
+        return {
+            "model": self.cfg.id,
+            "unfinished_requests": self.server.unfinished_requests(),
+            "waiting_for_slot": self.server.waiting_for_slot(),
+        }
 
     async def check_health(self) -> None:
         # Raises when the engine core died; Ray Serve then replaces this replica.

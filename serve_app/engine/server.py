@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from serve_app import errors
 from serve_app.config import ModelConfig
 from serve_app.engine.pacing import PacedEngineClient
+from serve_app.engine.slots import GatedEngineClient, SlotGate
 from serve_app.protocol import SSE_DONE, RequestContext, head, sse_event, trailer
 
 logger = logging.getLogger(__name__)
@@ -85,10 +86,12 @@ def _error_item(exc: errors.ServeAppError) -> dict[str, Any]:
 class EngineServer:
     """Owns one vLLM engine and the OpenAI serving objects built around it."""
 
-    def __init__(self, cfg: ModelConfig, model_path: str) -> None:
+    def __init__(self, cfg: ModelConfig, model_path: str, top_priority: int = 0) -> None:
         self.cfg = cfg
         self.model_path = model_path
+        self.top_priority = top_priority  # the tier priority that may take reserved slots
         self.engine: Any = None
+        self.gate: SlotGate | None = None
         self._chat: Any = None
         self._completion: Any = None
         self._embedding: Any = None
@@ -120,8 +123,13 @@ class EngineServer:
         await init_app_state(self.engine, state, args, supported_tasks=tasks)
         self._chat = getattr(state, "openai_serving_chat", None)
         self._completion = getattr(state, "openai_serving_completion", None)
+        client: Any = self.engine
+        if self.cfg.admission.reserved_slots:
+            self.gate = SlotGate(vllm_config.scheduler_config.max_num_seqs,
+                                 self.cfg.admission.reserved_slots, self.top_priority)
+            client = GatedEngineClient(self.engine, self.gate)
         # Streams read the engine at most once per interval, so vLLM merges tokens in between.
-        paced = PacedEngineClient(self.engine, self.cfg.stream_interval_ms / 1000.0)
+        paced = PacedEngineClient(client, self.cfg.stream_interval_ms / 1000.0)
         for serving in (self._chat, self._completion):
             if serving is not None:
                 serving.engine_client = paced
@@ -139,6 +147,10 @@ class EngineServer:
 
     def unfinished_requests(self) -> int:
         return int(self.engine.output_processor.get_num_unfinished_requests())
+
+    def waiting_for_slot(self) -> int:
+        """Requests held in this replica until an engine slot they may take is free."""
+        return self.gate.waiting if self.gate is not None else 0
 
     def shutdown(self) -> None:
         if self.engine is not None:

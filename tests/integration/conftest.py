@@ -26,13 +26,15 @@ ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 900
 MAX_MODEL_LEN = 2048  # as in configs/local.yaml
 MAX_BODY_BYTES = 256 * 1024
-# The engine runs 4 sequences at once, so requests queue inside vLLM, where tier priority decides.
+# The engine runs 4 sequences at once, so requests queue, and tier priority decides their order.
 MAX_NUM_SEQS = 4
 MAX_ONGOING = 24
 MAX_QUEUED = 8
-# Batch (shed_at 0.5) is shed above 20 requests in flight: 16 waiting behind the engine's 4, deep
-# enough that premium jumping the queue shows in its TTFT. Capacity is 24 + 8 = 32.
+# Batch (shed_at 0.5) is shed above 20 requests in flight: a queue deep enough that premium
+# skipping it shows in its TTFT. Capacity is 24 + 8 = 32.
 SATURATION = 40
+# One of the engine's 4 slots is premium's alone: batch runs 3 at a time.
+RESERVED_SLOTS = 1
 GATEWAY_REPLICAS = 2
 
 
@@ -66,7 +68,7 @@ def _test_config(workdir: Path, port: int, redis_url: str) -> Path:
                           enable_prefix_caching=True)
     tiny["frontend"] = {"enable_prompt_tokens_details": True}
     tiny["deployment"].update(max_ongoing_requests=MAX_ONGOING, max_queued_requests=MAX_QUEUED)
-    tiny["admission"] = {"saturation_requests": SATURATION}
+    tiny["admission"] = {"saturation_requests": SATURATION, "reserved_slots": RESERVED_SLOTS}
     # A second version of the chat model for the weighted split (A/B) and the fallback: a queue
     # of one, so a small burst overflows it onto tiny-chat.
     args["models"].append({

@@ -104,3 +104,13 @@ def test_shipped_config_builds_gateway_plus_one_deployment_per_model(path: Path)
     names = {d.name for d in built.deployments}
     assert built.ingress_deployment_name == "gateway"
     assert names == {"gateway"} | {m.deployment_name for m in cfg.models}
+
+
+def test_model_deployments_learn_the_top_tier_priority() -> None:
+    cfg = AppConfig.model_validate({
+        "models": [{"id": "m", "source": "x"}], "default_tier": "batch",
+        "tiers": {"premium": {"priority": 1}, "batch": {"priority": 9}},
+    })
+    built = ray_build_app(build_app(cfg), name="llm")
+    model = next(d for d in built.deployments if d.name == "model-m")
+    assert model.init_args[2] == 1

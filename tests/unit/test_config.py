@@ -190,6 +190,36 @@ def test_accelerator_type_needs_gpu() -> None:
     assert "type ('A10G') is only valid with kind 'gpu'" in _messages(exc_info)
 
 
+_RESERVE_OK = {"max_num_seqs": 8, "scheduling_policy": "priority"}
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"engine": {"scheduling_policy": "priority"}},
+         "admission.reserved_slots (2) must be < engine.max_num_seqs (None); set max_num_seqs"),
+        ({"engine": {**_RESERVE_OK, "max_num_seqs": 2}},
+         "admission.reserved_slots (2) must be < engine.max_num_seqs (2)"),
+        ({"engine": {"max_num_seqs": 8}},
+         "admission.reserved_slots (2) needs engine.scheduling_policy 'priority'"),
+        ({"engine": _RESERVE_OK, "task": "embed"},
+         "admission.reserved_slots (2) needs a generate model, not embed"),
+    ],
+)
+def test_reserved_slots_must_fit_a_priority_generate_engine(over: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError) as exc_info:
+        ModelConfig.model_validate(_model(admission={"reserved_slots": 2}, **over))
+    assert message in _messages(exc_info)
+
+
+def test_reserved_slots_are_for_the_best_tier_priority() -> None:
+    m = _model(admission={"reserved_slots": 2}, engine=_RESERVE_OK)
+    cfg = AppConfig.model_validate(_app(m, default_tier="batch", tiers={
+        "batch": {"priority": 10}, "premium": {"priority": -1}, "standard": {"priority": 0}}))
+    assert cfg.models[0].admission.reserved_slots == 2
+    assert cfg.top_priority == -1
+
+
 def test_world_size_is_tp_times_pp() -> None:
     m = ModelConfig.model_validate(
         _model(engine={"tensor_parallel_size": 2, "pipeline_parallel_size": 3})
