@@ -60,7 +60,9 @@ def parse_param(text: str) -> tuple[str, list[Any]]:
 def sweep_config(base: Path, model_id: str, param: str, value: Any, port: int, workdir: Path,
                  only_model: bool) -> Path:
     """A copy of ``base`` with the setting applied, on ``port``, with keys in ``workdir``."""
-    from serve_app.config import EngineArgs
+    from pydantic import ValidationError
+
+    from serve_app.config import EngineArgs, format_validation_error, load_app_config
 
     doc = yaml.safe_load(base.read_text())
     doc["http_options"] = {**(doc.get("http_options") or {}), "host": "127.0.0.1", "port": port}
@@ -75,6 +77,7 @@ def sweep_config(base: Path, model_id: str, param: str, value: Any, port: int, w
         args["models"] = [m for m in models if m["id"] in keep]
         args["routes"] = [r for r in args.get("routes", [])
                           if all(t["model"] in keep for t in r["split"])]
+    seqs_before = (model.get("engine") or {}).get("max_num_seqs")
     if "." in param:  # e.g. deployment.max_ongoing_requests
         *path, leaf = param.split(".")
         node = model
@@ -85,9 +88,28 @@ def sweep_config(base: Path, model_id: str, param: str, value: Any, port: int, w
         model.setdefault("engine", {})[param] = value
     else:
         model.setdefault("engine", {}).setdefault("extra", {})[param] = value
+    _keep_reserve_share(model, seqs_before)
     path = workdir / "serve.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    try:  # a value the schema refuses would only show as an app that exits at once
+        load_app_config(path)
+    except ValidationError as exc:
+        raise SystemExit(f"{param}={value} makes an invalid config:\n"
+                         + format_validation_error(exc)) from None
     return path
+
+
+def _keep_reserve_share(model: dict[str, Any], seqs_before: int | None) -> None:
+    """Scale the top tier's reserved slots with max_num_seqs, so each value keeps the same share."""
+    admission = model.get("admission") or {}
+    reserved = admission.get("reserved_slots") or 0
+    seqs = (model.get("engine") or {}).get("max_num_seqs")
+    if not reserved or not seqs_before or not seqs or seqs == seqs_before:
+        return
+    scaled = min(seqs - 1, max(1, round(reserved * seqs / seqs_before)))
+    if scaled != reserved:
+        say(f"  admission.reserved_slots {reserved} -> {scaled} (same share of max_num_seqs={seqs})")
+        model["admission"] = {**admission, "reserved_slots": scaled}
 
 
 class MemorySampler(threading.Thread):
