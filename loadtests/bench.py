@@ -87,9 +87,10 @@ def prompts_for(ns: argparse.Namespace, c: int) -> int:
 # ---- one benchmark run ------------------------------------------------------------------------------
 def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, model_id: str,
             model_path: str, c: int, repeat: int, log: Path, stamp: str,
-            session: int | None) -> dict[str, Any]:
+            root: int | None) -> dict[str, Any]:
     """One ``vllm.benchmarks.serve`` run, in this process; its console output goes to ``log``.
-    With ``session``, the CPU seconds each server process used during the run are recorded."""
+    With ``root`` (a server's process), the CPU seconds each process of its tree used during the
+    run are recorded."""
     from vllm.benchmarks.serve import add_cli_args, main_async
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -113,7 +114,7 @@ def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, m
     if key:
         os.environ["OPENAI_API_KEY"] = key
     t0 = time.monotonic()
-    cpu0, client0 = (procs.cpu_seconds(session) if session else {}), time.process_time()
+    cpu0, client0 = (procs.cpu_seconds(root) if root else {}), time.process_time()
     try:
         with open(log, "a") as out, contextlib.redirect_stdout(out):
             print(f"\n===== {side} concurrency={c} repeat={repeat} prompts={n} =====", flush=True)
@@ -128,7 +129,7 @@ def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, m
         os.environ.pop("OPENAI_API_KEY", None)
         if saved is not None:
             os.environ["OPENAI_API_KEY"] = saved
-    cpu1 = procs.cpu_seconds(session) if session else {}
+    cpu1 = procs.cpu_seconds(root) if root else {}
     cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items() if v - cpu0.get(k, 0.0) >= 0.05}
     cpu["benchmark client"] = round(time.process_time() - client0, 2)
     metrics["cpu_s"] = dict(sorted(cpu.items(), key=lambda kv: -kv[1]))
@@ -136,7 +137,7 @@ def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, m
         f"{metrics['req_s']:6.2f} req/s  TTFT p50 {metrics['ttft_p50_ms']:7.1f} ms  "
         f"TPOT p50 {metrics['tpot_p50_ms']:6.2f} ms  {metrics['completed']}/{n} ok, "
         f"{metrics['total_output_tokens']} tokens  ({time.monotonic() - t0:.0f} s)")
-    if session:
+    if root:
         say("          CPU s: " + ", ".join(f"{k} {v:.1f}" for k, v in list(metrics["cpu_s"].items())[:6]))
     for e in metrics["errors"]:
         say(f"    error: {e}")
@@ -184,7 +185,7 @@ def load_model(config: Path, model_id: str) -> tuple[Any, Any]:
 def start_servers(ns: argparse.Namespace, config: Path, cfg: Any, model: Any, workdir: Path,
                   started: list[Proc]) -> tuple[dict[str, tuple[str, str | None, int | None]],
                                                 str | None, str]:
-    """Start direct vLLM (and the stack unless given). Returns {side: (root URL, key, session id
+    """Start direct vLLM (and the stack unless given). Returns {side: (root URL, key, root process
     for CPU accounting)}, the Ray address for the RSS and the model path."""
     from serve_app.engine.server import engine_kwargs
     from serve_app.engine.sources import resolve_source
@@ -251,13 +252,13 @@ def start_servers(ns: argparse.Namespace, config: Path, cfg: Any, model: Any, wo
 
     ray_address = ns.ray_address
     if ray_address is None:
-        # Our own stack: the proxy on our port must be in the session of the CLI we started.
+        # Our own stack: the proxy on our port must descend from the CLI we started.
         port = urlsplit(gw_root).port or 80
         ray_address = procs.ray_address_for_http_port(port, stack.pid if stack else None)
         if ray_address:
             say(f"Ray cluster of the gateway (its proxy listens on port {port}): {ray_address}")
-    gw_session = stack.pid if stack else procs.session_of_port(urlsplit(gw_root).port or 80)
-    sides = {"direct": (direct_url, None, direct.pid), "gateway": (gw_root, key, gw_session)}
+    gw_root_pid = stack.pid if stack else procs.root_of_port(urlsplit(gw_root).port or 80)
+    sides = {"direct": (direct_url, None, direct.pid), "gateway": (gw_root, key, gw_root_pid)}
     return sides, ray_address, model_path
 
 
@@ -309,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"({' then '.join(order)})")
                 pair: dict[str, dict[str, Any]] = {}
                 for side in order:
-                    url, k, sid = sides[side]
-                    pair[side] = run_one(ns, side, url, k, model.id, model_path, c, r, log, stamp, sid)
+                    url, k, root = sides[side]
+                    pair[side] = run_one(ns, side, url, k, model.id, model_path, c, r, log, stamp, root)
                 found = report.check_pair(pair["direct"]["metrics"], pair["gateway"]["metrics"],
                                           prompts_for(ns, c), ns.output_len)
                 problems += [f"c={c} repeat {r}: {p}" for p in found]

@@ -1,7 +1,8 @@
 """Processes for the benchmark: direct vLLM, the full stack, and finding the stack's Ray cluster.
 
-Every process is started in its own session (process group), so it can be stopped with all its
-children by its id. Nothing here stops a process that this module did not start.
+Every process is started in a process group of its own, so it can be signalled with its children,
+and is accounted with all its descendants. Nothing here stops a process that this module did not
+start, or a descendant of one.
 """
 
 from __future__ import annotations
@@ -49,24 +50,46 @@ def require_loopback(url: str) -> None:
 
 
 # ---- /proc helpers --------------------------------------------------------------------------------
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(ppid, session id) of a process, or None if it is gone."""
+def _stat(pid: int) -> tuple[int, int, int] | None:
+    """(ppid, session id, start time) of a process, or None if it is gone."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = raw[raw.rindex(")") + 2 :].split()
-    return int(fields[1]), int(fields[3])
+    return int(fields[1]), int(fields[3]), int(fields[19])
 
 
 def _all_pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
-def session_members(sid: int) -> list[int]:
-    """Live processes of a session. Everything we start gets a session of its own, which its
-    children keep even after the parent dies or they change process group (Ray actors do)."""
-    return [p for p in _all_pids() if p != sid and (st := _stat(p)) is not None and st[1] == sid]
+def descendants(root: int) -> dict[int, int]:
+    """Live descendants of a process: pid -> start time (which tells a reused pid apart)."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for pid in _all_pids():
+        st = _stat(pid)
+        if st is not None:
+            children.setdefault(st[0], []).append((pid, st[2]))
+    found: dict[int, int] = {}
+    todo = [root]
+    while todo:
+        for pid, start in children.get(todo.pop(), []):
+            if pid not in found:
+                found[pid] = start
+                todo.append(pid)
+    return found
+
+
+def _is_descendant(pid: int, root: int) -> bool:
+    for _ in range(64):
+        if pid == root:
+            return True
+        st = _stat(pid)
+        if st is None or st[0] <= 1:
+            return False
+        pid = st[0]
+    return False
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -91,11 +114,11 @@ def _label(pid: int) -> str:
     return prog
 
 
-def cpu_seconds(sid: int) -> dict[str, float]:
-    """CPU seconds (user + system) used so far by each kind of process of a session."""
+def cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each kind of process in a process tree."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
-    for pid in (sid, *session_members(sid)):
+    for pid in (root, *descendants(root)):
         try:
             raw = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
@@ -106,11 +129,28 @@ def cpu_seconds(sid: int) -> dict[str, float]:
     return out
 
 
-def session_of_port(port: int) -> int | None:
-    """The session of the process listening on a port (to account the CPU of a running stack)."""
+def _ancestors(pid: int) -> set[int]:
+    found: set[int] = set()
+    while (st := _stat(pid)) is not None and st[0] > 1 and st[0] not in found:
+        pid = st[0]
+        found.add(pid)
+    return found
+
+
+def root_of_port(port: int) -> int | None:
+    """The root of a running stack's process tree (to account its CPU): the oldest ancestor of
+    the process listening on a port that is in the same session and not an ancestor of ours
+    (a test session may have started the stack beside this benchmark)."""
     pid = _listener_pid(port)
     st = _stat(pid) if pid is not None else None
-    return st[1] if st else None
+    if pid is None or st is None:
+        return None
+    ours = _ancestors(os.getpid())
+    sid = st[1]
+    while (parent := _stat(st[0])) is not None and st[0] > 1 and parent[1] == sid \
+            and st[0] not in ours:
+        pid, st = st[0], parent
+    return pid
 
 
 def _listener_pid(port: int) -> int | None:
@@ -141,16 +181,16 @@ def _listener_pid(port: int) -> int | None:
     return None
 
 
-def ray_address_for_http_port(port: int, session: int | None = None) -> str | None:
+def ray_address_for_http_port(port: int, root: int | None = None) -> str | None:
     """The GCS address of the Ray cluster whose Serve proxy listens on ``port``.
 
     ``ray.init(address="auto")`` picks any cluster when several run on one machine (the test
     suite may run its own). Instead: the process listening on the port is the Serve proxy actor;
     its parent is that cluster's raylet, whose command line names the GCS (``--gcs-address=``).
-    With ``session``, the proxy must belong to that session (the stack we started).
+    With ``root``, the proxy must descend from it (the stack we started).
     """
     pid: int | None = _listener_pid(port)
-    if pid is not None and session is not None and (_stat(pid) or (0, -1))[1] != session:
+    if pid is not None and root is not None and not _is_descendant(pid, root):
         return None
     for _ in range(8):
         if pid is None or pid <= 1:
@@ -166,7 +206,7 @@ def ray_address_for_http_port(port: int, session: int | None = None) -> str | No
 # ---- processes ------------------------------------------------------------------------------------
 @dataclass
 class Proc:
-    """A process this benchmark started, in its own session, with its output in ``log``."""
+    """A process this benchmark started, in its own process group, with its output in ``log``."""
 
     name: str
     popen: subprocess.Popen[bytes]
@@ -218,9 +258,11 @@ def _signal_group(proc: Proc, sig: int) -> None:
         pass
 
 
-def stop(proc: Proc, first: int = signal.SIGINT, timeout_s: float = 90.0) -> None:
+def stop(proc: Proc, first: int = signal.SIGINT, timeout_s: float = 90.0, grace_s: float = 10.0) -> None:
     """Stop a process we started: ``first`` to its process group, SIGKILL after the timeout, then
-    SIGKILL to whatever is left of its session (e.g. Ray actors, which have groups of their own)."""
+    SIGKILL to whatever is left of its process tree (e.g. Ray actors, which have groups of their
+    own and outlive their parent for a moment)."""
+    family = descendants(proc.pid)  # taken while the tree is whole: orphans lose their parent
     if proc.alive():
         say(f"stopping {proc.name} (pid {proc.pid}, {signal.Signals(first).name}) ...")
         _signal_group(proc, first)
@@ -230,9 +272,13 @@ def stop(proc: Proc, first: int = signal.SIGINT, timeout_s: float = 90.0) -> Non
             say(f"{proc.name} still running after {timeout_s:.0f} s: SIGKILL")
             _signal_group(proc, signal.SIGKILL)
             proc.popen.wait()
+
+    def leftovers() -> list[int]:
+        return [p for p, start in family.items() if (st := _stat(p)) is not None and st[2] == start]
+
     # Children get a moment to follow their parent out; then the leftovers are killed by id.
-    deadline = time.monotonic() + 10
-    while (left := session_members(proc.pid)) and time.monotonic() < deadline:
+    deadline = time.monotonic() + grace_s
+    while (left := leftovers()) and time.monotonic() < deadline:
         time.sleep(0.5)
     for p in left:
         try:
@@ -240,7 +286,7 @@ def stop(proc: Proc, first: int = signal.SIGINT, timeout_s: float = 90.0) -> Non
         except ProcessLookupError:
             pass
     if left:
-        say(f"{proc.name}: killed {len(left)} leftover process(es) of its session: {left}")
+        say(f"{proc.name}: killed {len(left)} leftover process(es) of its tree: {left}")
 
 
 def http_status(url: str, timeout_s: float = 5.0, headers: dict[str, str] | None = None,
@@ -321,8 +367,15 @@ def direct_server_flags(engine_kw: dict[str, Any], frontend: dict[str, Any]) -> 
     return flags
 
 
+# Ray starts its workers (the gateway and model replicas, and so the engine's processes) at this
+# niceness; direct vLLM runs at it too, so that on both sides the load client, this process at
+# niceness 0, is served first, as a client on another host would be.
+RAY_WORKER_NICENESS = 15
+
+
 def start_direct(flags: list[str], port: int, env: dict[str, str], log: Path) -> Proc:
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags,
+    argv = ["nice", "-n", str(RAY_WORKER_NICENESS),
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags,
             "--host", "127.0.0.1", "--port", str(port)]
     say(f"starting direct vLLM on 127.0.0.1:{port}: {' '.join(argv[1:])}")
     if env:
@@ -339,7 +392,8 @@ def write_stack_config(src: Path, dst: Path, port: int, keys_file: Path) -> None
 
     The benchmark measures the streaming path, so its key must not be rate-limited or shed: a
     configured tier's RPM or concurrency cap would turn a throughput run into a 429 count. The
-    tier has priority 0, the priority that direct vLLM gives every request.
+    tier has the top priority (0, the priority that direct vLLM gives every request, unless a tier
+    is above it), so it may use every engine slot, the top tier's reserve included.
     """
     import yaml
 
@@ -348,7 +402,8 @@ def write_stack_config(src: Path, dst: Path, port: int, keys_file: Path) -> None
     args = doc["applications"][0]["args"]
     args.setdefault("gateway", {})["keys_file"] = str(keys_file)
     tiers = args.get("tiers") or {"standard": {}}
-    tiers[BENCH_TIER] = {"priority": 0, "description": "benchmark key: no limits"}
+    top = min([0, *(int((t or {}).get("priority", 0)) for t in tiers.values())])
+    tiers[BENCH_TIER] = {"priority": top, "description": "benchmark key: no limits"}
     args["tiers"] = tiers
     dst.write_text(yaml.safe_dump(doc, sort_keys=False))
 
