@@ -13,8 +13,9 @@ def test_stop_kills_descendants_that_left_the_process_group(tmp_path: Path) -> N
     # The background child moves to a session (and group) of its own, as Ray's actors leave ours.
     proc = procs.spawn("tree", ["sh", "-c", "setsid sleep 60 & exec sleep 60"], tmp_path / "log")
     deadline = time.monotonic() + 10
-    while not (family := procs.descendants(proc.pid)) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    while procs.cpu_seconds(proc.pid).keys() != {"sleep"} and time.monotonic() < deadline:
+        time.sleep(0.05)  # until both have exec'd sleep
+    family = procs.descendants(proc.pid)
     assert len(family) == 1, family
     [child] = family
     assert os.getpgid(child) != os.getpgid(proc.pid)
