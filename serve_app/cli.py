@@ -263,11 +263,18 @@ def cmd_diagnose(ns: argparse.Namespace) -> int:
     from serve_app.app import GATEWAY_DEPLOYMENT
 
     ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
-    state, detail = _status_line(serve.status())
+    status = serve.status()
+    state, detail = _status_line(status)
     print(f"app {APP_NAME}: {state} {detail}")
     if state == "RUNNING":
         gw = serve.get_deployment_handle(GATEWAY_DEPLOYMENT, app_name=APP_NAME)
         print("gateway:", json.dumps(gw.diagnostics.remote().result(timeout_s=10)))
+        # One replica of each model answers: requests in its engine, and those waiting in the
+        # replica for a slot (admission.reserved_slots keeps some for the top tier).
+        for name in sorted(status.applications[APP_NAME].deployments):
+            if name != GATEWAY_DEPLOYMENT:
+                model = serve.get_deployment_handle(name, app_name=APP_NAME)
+                print(f"{name}:", json.dumps(model.stats.remote().result(timeout_s=10)))
     return 0
 
 

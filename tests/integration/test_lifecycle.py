@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_client_disconnect_aborts_engine_request(stack, serve_handles) -> None:
@@ -56,10 +63,37 @@ def test_client_disconnect_aborts_engine_request(stack, serve_handles) -> None:
     pytest.fail("the engine still runs the request after the client disconnected")
 
 
-def test_gateway_replica_never_imports_the_engine(serve_handles) -> None:
+def _through_every_gateway_replica(stack) -> None:
+    """Concurrent requests: HAProxy balances by least connections, so each gateway replica forwards
+    at least one (a replica reports its transport once it has forwarded a request)."""
+    async def send() -> None:
+        body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as c:
+            rs = await asyncio.gather(*(c.post("/chat/completions", json=body, headers={
+                "Authorization": f"Bearer {stack.keys['all']}"}) for _ in range(6)))
+        assert [r.status_code for r in rs] == [200] * 6
+
+    asyncio.run(send())
+
+
+def test_gateway_replica_never_imports_the_engine(stack, serve_handles) -> None:
+    _through_every_gateway_replica(stack)
     diag = serve_handles("gateway").diagnostics.remote().result(timeout_s=10)
     assert diag["heavy_modules"] == []
     # serve-app run sets Ray Serve's throughput mode before importing Ray (serve_app/ingress.py),
     # so the handles it builds stream over gRPC, not one Ray object per chunk.
     assert diag["model_transport"] == "grpc"
     print(f"\n[stack] gateway peak RSS: {diag['peak_rss_bytes'] / 2**20:.0f} MiB")
+
+
+def test_diagnose_reports_the_gateway_and_each_model_replica(stack) -> None:
+    _through_every_gateway_replica(stack)
+    out = subprocess.run([sys.executable, "-m", "serve_app.cli", "diagnose"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
+    assert lines["app llm"].startswith("RUNNING")
+    assert json.loads(lines["gateway"])["model_transport"] == "grpc"
+    tiny = json.loads(lines["model-tiny-chat"])
+    assert tiny["model"] == "tiny-chat" and tiny["waiting_for_slot"] == 0
+    assert json.loads(lines["model-minilm-embed"])["unfinished_requests"] == 0
