@@ -81,17 +81,6 @@ def descendants(root: int) -> dict[int, int]:
     return found
 
 
-def _is_descendant(pid: int, root: int) -> bool:
-    for _ in range(64):
-        if pid == root:
-            return True
-        st = _stat(pid)
-        if st is None or st[0] <= 1:
-            return False
-        pid = st[0]
-    return False
-
-
 def _cmdline(pid: int) -> list[str]:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
@@ -130,6 +119,7 @@ def cpu_seconds(root: int) -> dict[str, float]:
 
 
 def _ancestors(pid: int) -> set[int]:
+    """Live ancestors of a process, up to (not including) init."""
     found: set[int] = set()
     while (st := _stat(pid)) is not None and st[0] > 1 and st[0] not in found:
         pid = st[0]
@@ -190,7 +180,7 @@ def ray_address_for_http_port(port: int, root: int | None = None) -> str | None:
     With ``root``, the proxy must descend from it (the stack we started).
     """
     pid: int | None = _listener_pid(port)
-    if pid is not None and root is not None and not _is_descendant(pid, root):
+    if pid is not None and root is not None and pid != root and root not in _ancestors(pid):
         return None
     for _ in range(8):
         if pid is None or pid <= 1:
@@ -397,12 +387,14 @@ def write_stack_config(src: Path, dst: Path, port: int, keys_file: Path) -> None
     """
     import yaml
 
+    from serve_app.config import AppConfig
+
     doc = yaml.safe_load(src.read_text())
     doc["http_options"] = {**(doc.get("http_options") or {}), "host": "127.0.0.1", "port": port}
     args = doc["applications"][0]["args"]
     args.setdefault("gateway", {})["keys_file"] = str(keys_file)
+    top = min(0, AppConfig.model_validate(args).top_priority)
     tiers = args.get("tiers") or {"standard": {}}
-    top = min([0, *(int((t or {}).get("priority", 0)) for t in tiers.values())])
     tiers[BENCH_TIER] = {"priority": top, "description": "benchmark key: no limits"}
     args["tiers"] = tiers
     dst.write_text(yaml.safe_dump(doc, sort_keys=False))
