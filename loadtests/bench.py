@@ -187,11 +187,10 @@ def start_servers(ns: argparse.Namespace, config: Path, cfg: Any, model: Any, wo
                                                 str | None, str]:
     """Start direct vLLM (and the stack unless given). Returns {side: (root URL, key, root process
     for CPU accounting)}, the Ray address for the RSS and the model path."""
-    from serve_app.engine.server import engine_kwargs
     from serve_app.engine.sources import resolve_source
 
     model_path = resolve_source(model.source, cfg.cache_dir)  # builds builtin:tiny-chat if missing
-    kw = engine_kwargs(model, model_path)
+    kw = model.engine_kwargs(model_path)
     flags = procs.direct_server_flags(kw, dict(model.frontend))
     direct_port = procs.free_port()
     direct = procs.start_direct(flags, direct_port, dict(model.env), workdir / "direct-vllm.log")

@@ -230,6 +230,25 @@ class ModelConfig(_Strict):
     def world_size(self) -> int:
         return self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size
 
+    def engine_kwargs(self, model_path: str) -> dict[str, Any]:
+        """vLLM ``AsyncEngineArgs`` keyword arguments for this model loaded from ``model_path``.
+
+        Pure data (no vLLM import), so load tools can start a plain vLLM server with the same
+        settings (``serve-app engine-args``) and unit tests can check it."""
+        e = self.engine
+        kw: dict[str, Any] = {
+            k: v for k, v in e.model_dump(exclude={"extra"}).items() if v is not None
+        }
+        kw.update(e.extra)
+        kw["model"] = model_path
+        kw["served_model_name"] = [self.id]
+        if self.task == "embed":
+            kw["runner"] = "pooling"
+        if self.world_size > 1 and "distributed_executor_backend" not in kw:
+            kw["distributed_executor_backend"] = "mp" if self.accelerator.kind == "cpu" else "ray"
+        kw.setdefault("disable_log_stats", False)
+        return kw
+
 
 class Limits(_Strict):
     """Per-key (or per-tier) limits. None means unlimited."""

@@ -29,23 +29,6 @@ logger = logging.getLogger(__name__)
 _END = object()
 
 
-def engine_kwargs(cfg: ModelConfig, model_path: str) -> dict[str, Any]:
-    """AsyncEngineArgs keyword arguments for a model config (pure: unit-tested without vLLM)."""
-    e = cfg.engine
-    kw: dict[str, Any] = {
-        k: v for k, v in e.model_dump(exclude={"extra"}).items() if v is not None
-    }
-    kw.update(e.extra)
-    kw["model"] = model_path
-    kw["served_model_name"] = [cfg.id]
-    if cfg.task == "embed":
-        kw["runner"] = "pooling"
-    if cfg.world_size > 1 and "distributed_executor_backend" not in kw:
-        kw["distributed_executor_backend"] = "mp" if cfg.accelerator.kind == "cpu" else "ray"
-    kw.setdefault("disable_log_stats", False)
-    return kw
-
-
 def to_openai_error(
     status: int, message: str, param: str | None, main_param: str = "messages"
 ) -> errors.ServeAppError:
@@ -106,7 +89,7 @@ class EngineServer:
         from starlette.datastructures import State
 
         t0 = time.monotonic()
-        engine_args = AsyncEngineArgs(**engine_kwargs(self.cfg, self.model_path))
+        engine_args = AsyncEngineArgs(**self.cfg.engine_kwargs(self.model_path))
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         from vllm.v1.executor.abstract import Executor
 

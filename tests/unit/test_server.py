@@ -15,7 +15,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from serve_app import errors
 from serve_app.config import EngineArgs, ModelConfig, load_app_config
-from serve_app.engine.server import EngineServer, _validation_error, engine_kwargs, to_openai_error
+from serve_app.engine.server import EngineServer, _validation_error, to_openai_error
 from serve_app.protocol import SSE_DONE
 
 CONFIG_FILES = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.y*ml"))
@@ -27,7 +27,7 @@ def _cfg(**over: Any) -> ModelConfig:
 
 # ---- engine_kwargs -----------------------------------------------------------------------------
 def test_engine_kwargs_names_the_model_and_path() -> None:
-    kw = engine_kwargs(_cfg(engine={"max_num_seqs": 8}), "/models/tiny")
+    kw = _cfg(engine={"max_num_seqs": 8}).engine_kwargs("/models/tiny")
     assert kw["model"] == "/models/tiny"
     assert kw["served_model_name"] == ["tiny-chat"]
     assert kw["max_num_seqs"] == 8
@@ -36,27 +36,27 @@ def test_engine_kwargs_names_the_model_and_path() -> None:
 
 
 def test_engine_kwargs_drops_unset_optionals_but_keeps_seed_zero() -> None:
-    kw = engine_kwargs(_cfg(), "/m")
+    kw = _cfg().engine_kwargs("/m")
     assert "max_model_len" not in kw and "quantization" not in kw
     assert kw["seed"] == 0
 
 
 def test_engine_kwargs_embed_uses_pooling_runner() -> None:
-    assert engine_kwargs(_cfg(task="embed"), "/m")["runner"] == "pooling"
+    assert _cfg(task="embed").engine_kwargs("/m")["runner"] == "pooling"
 
 
 def test_engine_kwargs_tp_on_cpu_uses_mp() -> None:
-    kw = engine_kwargs(_cfg(engine={"tensor_parallel_size": 2}), "/m")
+    kw = _cfg(engine={"tensor_parallel_size": 2}).engine_kwargs("/m")
     assert kw["distributed_executor_backend"] == "mp"
 
 
 def test_engine_kwargs_tp_on_gpu_uses_ray() -> None:
-    kw = engine_kwargs(_cfg(engine={"tensor_parallel_size": 2}, accelerator={"kind": "gpu"}), "/m")
+    kw = _cfg(engine={"tensor_parallel_size": 2}, accelerator={"kind": "gpu"}).engine_kwargs("/m")
     assert kw["distributed_executor_backend"] == "ray"
 
 
 def test_engine_kwargs_single_worker_leaves_backend_to_vllm() -> None:
-    assert "distributed_executor_backend" not in engine_kwargs(_cfg(), "/m")
+    assert "distributed_executor_backend" not in _cfg().engine_kwargs("/m")
 
 
 def test_engine_kwargs_keeps_explicit_backend() -> None:
@@ -64,11 +64,11 @@ def test_engine_kwargs_keeps_explicit_backend() -> None:
         engine={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
         accelerator={"kind": "gpu"},
     )
-    assert engine_kwargs(cfg, "/m")["distributed_executor_backend"] == "mp"
+    assert cfg.engine_kwargs("/m")["distributed_executor_backend"] == "mp"
 
 
 def test_engine_kwargs_passes_extra_through() -> None:
-    kw = engine_kwargs(_cfg(engine={"extra": {"swap_space": 2, "max_logprobs": 5}}), "/m")
+    kw = _cfg(engine={"extra": {"swap_space": 2, "max_logprobs": 5}}).engine_kwargs("/m")
     assert kw["swap_space"] == 2 and kw["max_logprobs"] == 5
 
 
@@ -91,7 +91,7 @@ def test_typed_engine_fields_exist_in_vllm(vllm_engine_args: type) -> None:
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
 def test_shipped_configs_build_vllm_engine_args(vllm_engine_args: type, path: Path) -> None:
     for m in load_app_config(path).models:
-        args = vllm_engine_args(**engine_kwargs(m, "/nonexistent/model"))
+        args = vllm_engine_args(**m.engine_kwargs("/nonexistent/model"))
         assert args.served_model_name == [m.id]
 
 
