@@ -60,3 +60,36 @@ class GatewayMetrics:
             ttft=make("ttft_seconds"),
             tpot=make("tpot_seconds"),
         )
+
+    def request_finished(
+        self,
+        *,
+        key_id: str,
+        tier: str,
+        model: str,
+        status: int,
+        prompt_tokens: int,
+        completion_tokens: int,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        missed: tuple[str, ...],
+    ) -> None:
+        """One request answered (any status): its tokens, latencies and missed objectives."""
+        tags = {"key_id": key_id, "tier": tier, "model": model}
+        self.requests.inc(1, tags={**tags, "status": str(status)})
+        if prompt_tokens:
+            self.tokens.inc(prompt_tokens, tags={**tags, "type": "prompt"})
+        if completion_tokens:
+            self.tokens.inc(completion_tokens, tags={**tags, "type": "completion"})
+        for objective in missed:
+            self.slo_misses.inc(1, tags={**tags, "objective": objective})
+        lat = {"tier": tier, "model": model}
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s, tags=lat)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s, tags=lat)
+
+    def request_rejected(self, *, key_id: str, tier: str, model: str, reason: str) -> None:
+        """One request refused before the engine: rate_limit, shed or backpressure."""
+        self.rejections.inc(1, tags={"key_id": key_id, "tier": tier, "model": model,
+                                     "reason": reason})

@@ -78,8 +78,7 @@ class Usage:
 
     async def rejected(self, key: KeyRecord, model: str, reason: str) -> None:
         if self.metrics:
-            self.metrics.rejections.inc(1, tags={"key_id": key.id, "tier": key.tier,
-                                                 "model": model, "reason": reason})
+            self.metrics.request_rejected(key_id=key.id, tier=key.tier, model=model, reason=reason)
         await self._add(key.id, {"requests": 1, f"rejected_{reason}": 1})
 
     async def finished(self, key: KeyRecord, tier: TierConfig, model: str, out: Outcome) -> None:
@@ -88,7 +87,6 @@ class Usage:
         if out.usage is None and out.events:
             completion = max(0, out.events - 2)  # role chunk and [DONE] carry no token
         fields = {"requests": 1, "prompt_tokens": prompt, "completion_tokens": completion}
-        tags = {"key_id": key.id, "tier": key.tier, "model": model}
         misses = []
         if out.ttft_s is not None and out.ttft_s * 1000 > tier.objectives.ttft_p95_ms:
             misses.append("ttft")
@@ -102,18 +100,11 @@ class Usage:
         if out.status >= 400:
             fields[f"status_{out.status}"] = 1
         if self.metrics:
-            self.metrics.requests.inc(1, tags={**tags, "status": str(out.status)})
-            if prompt:
-                self.metrics.tokens.inc(prompt, tags={**tags, "type": "prompt"})
-            if completion:
-                self.metrics.tokens.inc(completion, tags={**tags, "type": "completion"})
-            for m in misses:
-                self.metrics.slo_misses.inc(1, tags={**tags, "objective": m})
-            lat = {"tier": key.tier, "model": model}
-            if out.ttft_s is not None:
-                self.metrics.ttft.observe(out.ttft_s, tags=lat)
-            if tpot is not None:
-                self.metrics.tpot.observe(tpot, tags=lat)
+            self.metrics.request_finished(
+                key_id=key.id, tier=key.tier, model=model, status=out.status,
+                prompt_tokens=prompt, completion_tokens=completion,
+                ttft_s=out.ttft_s, tpot_s=tpot, missed=tuple(misses),
+            )
         await self._add(key.id, fields)
 
     async def report(self, key: KeyRecord) -> dict[str, Any]:
