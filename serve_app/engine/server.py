@@ -86,6 +86,7 @@ class EngineServer:
         from vllm.entrypoints.launchers.cli_args import FrontendArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
         from starlette.datastructures import State
 
         t0 = time.monotonic()
@@ -98,6 +99,8 @@ class EngineServer:
             executor_class=Executor.get_class(vllm_config),
             log_requests=False,
             log_stats=not engine_args.disable_log_stats,
+            # vLLM's engine metrics through Ray's metrics agent (as ray_vllm_*), as Ray Serve LLM does.
+            stat_loggers=[RayPrometheusStatLogger],
         )
         frontend = FrontendArgs(**self.cfg.frontend)
         args = argparse.Namespace(**(vars(frontend) | vars(engine_args)))

@@ -31,7 +31,7 @@ class Gateway:
         backend: LimitBackend = RedisBackend(redis_url) if redis_url else MemoryBackend()
         store: UsageStore = RedisUsageStore(redis_url) if redis_url else MemoryUsageStore()
         router = Router(cfg)
-        usage = Usage(store, GatewayMetrics.create())
+        usage = Usage(store, GatewayMetrics.create(cfg))
         self.deps = GatewayDeps(
             cfg=cfg,
             keys=KeyStore(Path(cfg.gateway.keys_file), cfg.gateway.keys_reload_interval_s),
