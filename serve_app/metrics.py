@@ -63,6 +63,8 @@ ENGINE_METRICS: dict[str, str] = {
     "ray_vllm_generation_tokens_total": "counter",
     "ray_vllm_time_to_first_token_seconds": "histogram",
     "ray_vllm_inter_token_latency_seconds": "histogram",
+    "ray_vllm_request_time_per_output_token_seconds": "histogram",
+    "ray_vllm_request_success_total": "counter",
     "ray_vllm_e2e_request_latency_seconds": "histogram",
 }
 
@@ -72,7 +74,7 @@ SERVE_METRICS: dict[str, str] = {
     "ray_serve_replica_processing_queries": "gauge",
     "ray_serve_deployment_queued_queries": "gauge",
     "ray_serve_autoscaling_target_replicas": "gauge",
-    "ray_serve_autoscaling_desired_replicas": "gauge",
+    "ray_serve_num_ongoing_requests_at_replicas": "gauge",
 }
 
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")

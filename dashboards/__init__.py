@@ -1,0 +1,1 @@
+"""Grafana dashboards and Prometheus alert rules as code (see docs/OBSERVABILITY.md)."""

@@ -1,0 +1,182 @@
+"""Every PromQL query the dashboards, the alert rules and the PNG report use, built from the config.
+
+One source: ``dashboards.build`` turns these panels into Grafana JSON, ``dashboards.alerts`` into
+Prometheus rules, ``loadtests.report`` draws the SLA-tier panels with matplotlib, and the
+observability integration test runs each one against a real Prometheus. Range windows are written
+as Grafana's ``$__rate_interval``; ``concrete()`` swaps in a fixed window for direct queries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from serve_app.config import AppConfig
+from serve_app.metrics import exported
+
+RATE = "$__rate_interval"
+TTFT = exported("ttft_seconds")
+TPOT = exported("tpot_seconds")
+REQUESTS = exported("requests_total")
+REJECTIONS = exported("rejections_total")
+GOODPUT = exported("goodput_total")
+SLO_MISSES = exported("slo_misses_total")
+TOKENS = exported("tokens_total")
+
+
+@dataclass(frozen=True)
+class Target:
+    expr: str
+    legend: str
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One time-series panel: its queries, unit and, when it has one, the objective it is held to."""
+
+    title: str
+    unit: str
+    targets: tuple[Target, ...]
+    description: str = ""
+    threshold: float | None = None  # drawn as a red dashed line (an objective or a limit)
+    tier: str | None = None
+
+
+@dataclass(frozen=True)
+class Board:
+    uid: str
+    title: str
+    description: str
+    rows: list[tuple[str, list[Panel]]] = field(default_factory=list)
+
+    def panels(self) -> list[Panel]:
+        return [p for _, panels in self.rows for p in panels]
+
+
+def concrete(expr: str, window: str = "2m") -> str:
+    """``expr`` with Grafana's range variable replaced by a fixed window, for Prometheus itself."""
+    return expr.replace(RATE, window)
+
+
+def le(seconds: float) -> str:
+    """The ``le`` label of a bucket boundary as Ray's exporter writes it (Python float repr)."""
+    return repr(float(seconds))
+
+
+def _zero_if_none(expr: str, like: str) -> str:
+    """``expr``, or zeros shaped like ``like`` when no such event happened yet (no "No data")."""
+    return f"({expr}) or ({like} * 0)"
+
+
+def tier_panels(tier: str, ttft_s: float, tpot_s: float, w: str = RATE) -> list[Panel]:
+    sel = f'tier="{tier}"'
+    all_requests = f"sum by (model) (rate({REQUESTS}{{{sel}}}[{w}]))"
+    return [
+        Panel(f"{tier}: TTFT p95 vs objective", "s", (
+            Target(f"histogram_quantile(0.95, sum by (le, model) (rate({TTFT}_bucket{{{sel}}}[{w}])))",
+                   "{{model}} TTFT p95"),), threshold=ttft_s, tier=tier,
+              description=f"Time to first token at the gateway; objective {ttft_s:g} s."),
+        Panel(f"{tier}: TPOT p95 vs objective", "s", (
+            Target(f"histogram_quantile(0.95, sum by (le, model) (rate({TPOT}_bucket{{{sel}}}[{w}])))",
+                   "{{model}} TPOT p95"),), threshold=tpot_s, tier=tier,
+              description=f"Time per output token after the first; objective {tpot_s:g} s."),
+        Panel(f"{tier}: share of requests within objective", "percentunit", (
+            Target(f'sum by (model) (rate({TTFT}_bucket{{{sel},le="{le(ttft_s)}"}}[{w}])) / '
+                   f"sum by (model) (rate({TTFT}_count{{{sel}}}[{w}]))", "{{model}} TTFT"),
+            Target(f'sum by (model) (rate({TPOT}_bucket{{{sel},le="{le(tpot_s)}"}}[{w}])) / '
+                   f"sum by (model) (rate({TPOT}_count{{{sel}}}[{w}]))", "{{model}} TPOT"),
+        ), threshold=0.95, tier=tier,
+              description="Share of requests at or under the objective (the objective is a bucket "
+                          "boundary); the p95 objective holds while this stays above 95%."),
+        Panel(f"{tier}: goodput", "reqps", (
+            Target(f"sum by (model) (rate({GOODPUT}{{{sel}}}[{w}]))", "{{model}} goodput"),
+            Target(all_requests, "{{model}} all requests"),
+        ), tier=tier, description="Requests answered 2xx that met both objectives, against all."),
+        Panel(f"{tier}: rejections by reason", "reqps", (
+            Target(_zero_if_none(f"sum by (model, reason) (rate({REJECTIONS}{{{sel}}}[{w}]))",
+                                 all_requests), "{{model}} {{reason}}"),
+        ), tier=tier, description="rate_limit (429), shed and backpressure (503); 0 when none."),
+        Panel(f"{tier}: requests by key and status", "reqps", (
+            Target(f"sum by (key_id, status) (rate({REQUESTS}{{{sel}}}[{w}]))",
+                   "{{key_id}} {{status}}"),
+        ), tier=tier),
+    ]
+
+
+def sla_board(cfg: AppConfig) -> Board:
+    rows = []
+    for name, tier in sorted(cfg.tiers.items(), key=lambda kv: kv[1].priority):
+        o = tier.objectives
+        rows.append((f"Tier {name} (priority {tier.priority})",
+                     tier_panels(name, o.ttft_p95_ms / 1000, o.tpot_p95_ms / 1000)))
+    return Board("serve-app-sla", "serve-app / SLA tiers",
+                 "Each tier against its TTFT and TPOT objectives (from the app config).", rows)
+
+
+def engine_board() -> Board:
+    by = "model_name"
+    running = f"sum by ({by}) (ray_vllm_num_requests_running)"
+    queries = f"sum by ({by}) (rate(ray_vllm_prefix_cache_queries_total[{RATE}]))"
+
+    def p95(metric: str) -> str:
+        return f"histogram_quantile(0.95, sum by (le, {by}) (rate({metric}_bucket[{RATE}])))"
+
+    return Board("serve-app-engines", "serve-app / Engines",
+                 "vLLM's own engine metrics (RayPrometheusStatLogger), per model.", [
+        ("Throughput and queues", [
+            Panel("Output tokens/s", "short", (
+                Target(f"sum by ({by}) (rate(ray_vllm_generation_tokens_total[{RATE}]))",
+                       "{{model_name}}"),)),
+            Panel("Running and waiting requests", "short", (
+                Target(running, "{{model_name}} running"),
+                Target(f"sum by ({by}) (ray_vllm_num_requests_waiting)", "{{model_name}} waiting"),
+            )),
+            Panel("KV-cache usage", "percentunit", (
+                Target(f"max by ({by}, ReplicaId) (ray_vllm_kv_cache_usage_perc)",
+                       "{{model_name}} {{ReplicaId}}"),), threshold=0.9),
+            Panel("Prefix-cache hit rate", "percentunit", (
+                Target(_zero_if_none(f"sum by ({by}) (rate(ray_vllm_prefix_cache_hits_total[{RATE}]))",
+                                     queries) + f" / {queries}", "{{model_name}}"),),
+                  description="Hit tokens over queried tokens (NaN while no prompt arrives)."),
+            Panel("Preemptions/s", "short", (
+                Target(_zero_if_none(f"sum by ({by}) (rate(ray_vllm_num_preemptions_total[{RATE}]))",
+                                     running), "{{model_name}}"),)),
+        ]),
+        ("Engine latency (vLLM's histograms)", [
+            Panel("Engine TTFT p95", "s", (
+                Target(p95("ray_vllm_time_to_first_token_seconds"), "{{model_name}}"),)),
+            Panel("Engine TPOT p95", "s", (
+                Target(p95("ray_vllm_request_time_per_output_token_seconds"), "{{model_name}}"),)),
+            Panel("Engine E2E latency p95", "s", (
+                Target(p95("ray_vllm_e2e_request_latency_seconds"), "{{model_name}}"),)),
+        ]),
+    ])
+
+
+def capacity_board(cfg: AppConfig) -> Board:
+    ongoing = [
+        Panel(f"{m.id}: ongoing requests per replica", "short", (
+            Target(f'max by (replica) (ray_serve_replica_processing_queries{{deployment="{m.deployment_name}"}})',
+                   "{{replica}}"),), threshold=float(m.deployment.max_ongoing_requests),
+              description=f"Against max_ongoing_requests ({m.deployment.max_ongoing_requests}).")
+        for m in cfg.models
+    ]
+    return Board("serve-app-capacity", "serve-app / Capacity",
+                 "Ray Serve's replicas, ongoing and queued requests, and autoscaling decisions.", [
+        ("Replicas", [
+            Panel("Healthy replicas per deployment", "short", (
+                Target("sum by (deployment) (ray_serve_deployment_replica_healthy)", "{{deployment}}"),)),
+            Panel("Autoscaling decisions: target replicas", "short", (
+                Target("max by (deployment) (ray_serve_autoscaling_target_replicas)",
+                       "{{deployment}} target"),
+                Target("sum by (deployment) (ray_serve_deployment_replica_healthy)",
+                       "{{deployment}} healthy"),
+            )),
+            Panel("Queued requests (in handles, not yet routed)", "short", (
+                Target("sum by (deployment) (ray_serve_deployment_queued_queries)", "{{deployment}}"),)),
+        ]),
+        ("Ongoing requests", ongoing),
+    ])
+
+
+def boards(cfg: AppConfig) -> list[Board]:
+    return [sla_board(cfg), engine_board(), capacity_board(cfg)]
