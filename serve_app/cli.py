@@ -212,6 +212,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     code = 0
+    prom: Any = None
     try:
         serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
         _say(f"deploying {', '.join(m.id for m in cfg.models)} (engines take about a minute on CPU) ...")
@@ -243,9 +244,13 @@ def cmd_run(ns: argparse.Namespace) -> int:
             _say("Ctrl-C stops everything. Logs: /tmp/ray/session_latest/logs")
             if ns.ready_file:
                 Path(ns.ready_file).write_text(json.dumps({"base_url": f"http://{host}:{port}/v1"}))
+            if ns.prometheus:
+                prom = _start_prometheus(run_dir)
         stop.wait()
     finally:
         _say("shutting down ...")
+        if prom is not None:
+            prom.stop()
         try:
             serve.shutdown()
         finally:
@@ -253,6 +258,45 @@ def cmd_run(ns: argparse.Namespace) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
         _say("stopped")
     return code
+
+
+# ---- observability --------------------------------------------------------------------------------
+def _start_prometheus(run_dir: Path) -> Any:
+    """A Prometheus on 127.0.0.1 scraping this Ray cluster, with the alert rules; None without one."""
+    import ray
+
+    from serve_app.prometheus import Prometheus, find_binary, targets_from_nodes, write_sd_file
+
+    if find_binary() is None:
+        _say("--prometheus: no prometheus binary (sudo bash scripts/system-deps.sh installs it)")
+        return None
+    sd = write_sd_file(run_dir / "prometheus" / "ray_sd.json", targets_from_nodes(ray.nodes()))
+    rules = Path(__file__).resolve().parents[1] / "dashboards" / "alerts.yaml"
+    prom = Prometheus(run_dir / "prometheus", sd, rule_files=[rules] if rules.exists() else [])
+    try:
+        url = prom.start()
+    except RuntimeError as exc:
+        _say(f"--prometheus: {exc}")
+        return None
+    _say("Prometheus (scraping Ray's metrics export, alert rules loaded):")
+    print(f"PROMETHEUS_URL={url}", flush=True)
+    return prom
+
+
+def cmd_dashboards(ns: argparse.Namespace) -> int:
+    from serve_app.grafana_push import DASHBOARD_DIR, push
+
+    files = sorted(Path(ns.dir or DASHBOARD_DIR).glob("*.json"))
+    if not files:
+        raise SystemExit(f"no dashboard JSON in {ns.dir or DASHBOARD_DIR}")
+    token = ns.token or os.environ.get("GRAFANA_TOKEN")
+    try:
+        urls = push(ns.url, token, ns.folder, files)
+    except Exception as exc:  # grafana-client raises its own hierarchy; show it, without a traceback
+        raise SystemExit(f"push to {ns.url} failed: {type(exc).__name__}: {exc}")
+    for f, url in zip(files, urls):
+        print(f"{f.name}: {ns.url.rstrip('/')}{url}")
+    return 0
 
 
 # ---- diagnose -----------------------------------------------------------------------------------
@@ -295,7 +339,19 @@ def main(argv: list[str] | None = None) -> int:
                      help="HTTP front door: HAProxy with the gateway replicas serving HTTP directly "
                           "(default, fastest), or Ray Serve's Python proxy actor "
                           "(default from SERVE_APP_INGRESS)")
+    run.add_argument("--prometheus", action="store_true",
+                     help="also start a Prometheus on 127.0.0.1 that scrapes Ray's metrics export "
+                          "(needs Debian's prometheus package) and print its URL")
     run.set_defaults(func=cmd_run)
+
+    db = sub.add_parser("dashboards", help="upload the generated Grafana dashboards")
+    dsub = db.add_subparsers(dest="dashboards_cmd", required=True)
+    dp = dsub.add_parser("push", help="create or overwrite the dashboards on a Grafana server")
+    dp.add_argument("--url", required=True, help="Grafana base URL, e.g. http://127.0.0.1:3000")
+    dp.add_argument("--token", help="service-account token (default: $GRAFANA_TOKEN)")
+    dp.add_argument("--folder", default="serve-app", help="Grafana folder (created if missing)")
+    dp.add_argument("--dir", help="folder of dashboard JSON (default: dashboards/grafana)")
+    db.set_defaults(func=cmd_dashboards)
 
     keys = sub.add_parser("keys", help="create, list, rotate and revoke API keys")
     keys.add_argument("--config", default=DEFAULT_CONFIG)
