@@ -1,7 +1,8 @@
 """The model deployment: one Ray Serve replica = one vLLM engine (see ``server.EngineServer``).
 
-Every public method answers as a stream (head, then bytes), so the gateway handles chat,
-completions and embeddings, streaming or not, with one code path.
+``handle`` serves every endpoint of ``protocol.ENDPOINTS`` and answers as a stream (a head, then
+for a stream its chunks and a trailer), so the gateway handles every endpoint, streaming or not,
+with one code path.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ray import serve
 from serve_app.config import ModelConfig
 from serve_app.engine.server import EngineServer
 from serve_app.engine.sources import resolve_source
-from serve_app.protocol import RequestContext
+from serve_app.protocol import ENDPOINTS, RequestContext
 
 logger = logging.getLogger("ray.serve")
 
@@ -37,16 +38,9 @@ class ModelServer:
                 f"engine for {self.cfg.id!r} did not start within {self.cfg.startup_timeout_s:.0f} s"
             ) from None
 
-    async def chat(self, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Any]:
-        async for item in self.server.chat(body, RequestContext.from_dict(ctx)):
-            yield item
-
-    async def completions(self, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Any]:
-        async for item in self.server.completions(body, RequestContext.from_dict(ctx)):
-            yield item
-
-    async def embeddings(self, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Any]:
-        async for item in self.server.embeddings(body, RequestContext.from_dict(ctx)):
+    async def handle(self, endpoint: str, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Any]:
+        """One request of ``ENDPOINTS[endpoint]``, with the context the gateway decided."""
+        async for item in self.server.handle(ENDPOINTS[endpoint], body, RequestContext.from_dict(ctx)):
             yield item
 
     async def stats(self) -> dict[str, Any]:
