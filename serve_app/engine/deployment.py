@@ -44,12 +44,14 @@ class ModelServer:
             yield item
 
     async def stats(self) -> dict[str, Any]:
-        """Engine facts for operators and tests: requests the engine holds, and those waiting in
-        this replica for a slot (``admission.reserved_slots``)."""
+        """Engine facts for operators and tests: requests the engine holds, those waiting in this
+        replica for a slot (``admission.reserved_slots``), and the completion tokens the engine
+        has made for streamed requests since the replica started."""
         return {
             "model": self.cfg.id,
             "unfinished_requests": self.server.unfinished_requests(),
             "waiting_for_slot": self.server.waiting_for_slot(),
+            "streamed_tokens": self.server.streamed_tokens,
         }
 
     async def check_health(self) -> None:

@@ -97,6 +97,7 @@ class EngineServer:
         self.engine: Any = None
         self.gate: SlotGate | None = None
         self.state: Any = None  # vLLM's app state: its serving objects, by attribute name
+        self.streamed_tokens = 0  # completion tokens the engine made for streamed requests
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -195,8 +196,11 @@ class EngineServer:
             current_meter.reset(token)
 
         if isinstance(result, AsyncIterator):
-            async for item in self._coalesce(result, wants_usage, meter):
-                yield item
+            try:
+                async for item in self._coalesce(result, wants_usage, meter):
+                    yield item
+            finally:  # however the stream ended, even cancelled by a client that went away
+                self.streamed_tokens += meter.completion_tokens
             return
         yield self._complete(result, endpoint)
 
