@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import signal
@@ -47,7 +48,9 @@ def _load_config(path: str) -> Any:
     try:
         return AppConfig.model_validate(_app_args(_serve_doc(path)))
     except ValidationError as exc:
-        raise SystemExit(f"{path}: invalid app config:\n{format_validation_error(exc, 'args')}")
+        raise SystemExit(
+            f"{path}: invalid app config:\n{format_validation_error(exc, 'args')}"
+        ) from None
 
 
 # ---- keys ---------------------------------------------------------------------------------------
@@ -202,7 +205,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         include_dashboard=False,
         log_to_driver=ns.verbose,
         configure_logging=True,
-        logging_level="WARNING",
+        logging_level=logging.WARNING,
     )
     stop = threading.Event()
 
@@ -247,7 +250,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     finally:
         _say("shutting down ...")
         try:
-            serve.shutdown()
+            serve.shutdown()  # type: ignore[no-untyped-call]
         finally:
             ray.shutdown()
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -262,7 +265,7 @@ def cmd_diagnose(ns: argparse.Namespace) -> int:
 
     from serve_app.app import GATEWAY_DEPLOYMENT
 
-    ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
+    ray.init(address="auto", log_to_driver=False, logging_level=logging.ERROR)
     status = serve.status()
     state, detail = _status_line(status)
     print(f"app {APP_NAME}: {state} {detail}")

@@ -26,13 +26,16 @@ logger = logging.getLogger("ray.serve")
 class ModelServer:
     """Ray Serve deployment wrapping one vLLM engine. Start-up is bounded by ``startup_timeout_s``."""
 
-    async def __init__(self, model: dict[str, Any], cache_dir: str, top_priority: int = 0) -> None:
+    # Ray Serve awaits an async constructor; mypy knows only synchronous ones.
+    async def __init__(  # type: ignore[misc]
+        self, model: dict[str, Any], cache_dir: str, top_priority: int = 0
+    ) -> None:
         self.cfg = ModelConfig.model_validate(model)
         path = await asyncio.to_thread(resolve_source, self.cfg.source, cache_dir)
         self.server = EngineServer(self.cfg, path, top_priority)
         try:
             await asyncio.wait_for(self.server.start(), self.cfg.startup_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.server.shutdown()
             raise RuntimeError(
                 f"engine for {self.cfg.id!r} did not start within {self.cfg.startup_timeout_s:.0f} s"

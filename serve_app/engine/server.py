@@ -124,7 +124,7 @@ class EngineServer:
         tasks = await self.engine.get_supported_tasks()
         # vLLM's serving objects are built around the wrapped client (clients.py), so every
         # generate call they make goes through the slot gate and the pacing.
-        client = self._engine_client(vllm_config.scheduler_config.max_num_seqs)
+        client: Any = self._engine_client(vllm_config.scheduler_config.max_num_seqs)
         await init_app_state(client, self.state, args, supported_tasks=tasks)
         self.max_model_len = vllm_config.model_config.max_model_len
         # vLLM reads its settings from os.environ on every access (several per streamed chunk);
@@ -186,7 +186,7 @@ class EngineServer:
         except ValidationError as exc:
             yield _error_item(_validation_error(exc))
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             yield _error_item(errors.GatewayTimeout(f"the {endpoint.name} request timed out"))
             return
         except Exception as exc:  # vLLM raises for bad input (too long, empty, ...)

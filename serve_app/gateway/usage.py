@@ -49,7 +49,7 @@ class RedisUsageStore:
 
     async def get(self, key_id: str) -> dict[str, int]:
         raw = await self._redis.hgetall(self._prefix + key_id)
-        return {k.decode(): int(v) for k, v in raw.items()}
+        return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
 
 
 class Usage:
