@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from serve_app import ingress
+from serve_app import front_door
 
 DEFAULT_CONFIG = "configs/local.yaml"
 DEMO_KEY_ID = "local-demo"
@@ -188,13 +188,13 @@ def cmd_run(ns: argparse.Namespace) -> int:
     # Ray Serve reads the ingress settings once, when ray.serve is first imported, in every
     # process: Ray's own (so before ray.init) and this one, which builds the app and its
     # deployment handles (so before the import; otherwise the handles between the gateway and
-    # the models would not get the transport that ingress.py chooses).
+    # the models would not get the transport that front_door.py chooses).
     # Short: Ray adds a 56-character node directory, and HAProxy's socket path allows 97 characters.
     run_dir = Path(tempfile.mkdtemp(prefix="sa-", dir="/tmp"))
-    ingress.apply(ns.ingress, run_dir, host)
+    front_door.apply(ns.ingress, run_dir, host)
     if ns.verbose:  # throughput mode keeps replica logs off stderr, which is what --verbose shows
         os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "1")
-    _say(f"HTTP ingress: {ingress.describe(ns.ingress)}")
+    _say(f"HTTP ingress: {front_door.describe(ns.ingress)}")
     import ray
     from ray import serve
 
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for readiness")
     run.add_argument("--ready-file", help="write a JSON file here once ready (for scripts)")
     run.add_argument("--verbose", action="store_true", help="stream replica logs to this terminal")
-    run.add_argument("--ingress", choices=ingress.MODES,
+    run.add_argument("--ingress", choices=front_door.MODES,
                      default=os.environ.get("SERVE_APP_INGRESS", "haproxy"),
                      help="HTTP front door: HAProxy with the gateway replicas serving HTTP directly "
                           "(default, fastest), or Ray Serve's Python proxy actor "

@@ -148,7 +148,7 @@ class Accelerator(_Strict):
         return self
 
 
-class Admission(_Strict):
+class AdmissionConfig(_Strict):
     """When a model counts as saturated, for shedding tiers (see ``TierConfig.shed_at``), and the
     engine slots kept for the top tier."""
 
@@ -187,7 +187,7 @@ class ModelConfig(_Strict):
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
     accelerator: Accelerator = Field(default_factory=Accelerator)
     env: dict[str, str] = Field(default_factory=dict)
-    admission: Admission = Field(default_factory=Admission)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     fallback: str | None = Field(
         default=None,
         description="Another model id that answers when this one is unavailable or its queue "
