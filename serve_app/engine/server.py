@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import hashlib
 import importlib
 import json
@@ -281,7 +282,11 @@ class EngineServer:
                 queue.put_nowait(self._map_exception(exc))
             queue.put_nowait(_END)
 
-        task = asyncio.create_task(pump())
+        # vLLM's serving layer calls the engine client's generate as the pump reads it, so the
+        # pump runs with this request's meter set (tasks vLLM starts from there inherit it).
+        context = contextvars.copy_context()
+        context.run(current_meter.set, meter)
+        task = asyncio.create_task(pump(), context=context)
         first = True
         usage: dict[str, Any] | None = None
         try:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from serve_app import errors
 from serve_app.config import EngineArgs, ModelConfig, load_app_config
-from serve_app.engine.clients import TokenMeter
+from serve_app.engine.clients import TokenMeter, current_meter
 from serve_app.engine.server import EngineServer, _validation_error, to_openai_error
 from serve_app.protocol import SSE_DONE
 
@@ -353,3 +353,21 @@ def test_coalesce_chunks_carry_the_engines_count_and_the_trailer_has_it_without_
     assert items[0]["tokens"] == {"prompt_tokens": 11, "completion_tokens": 1}
     assert items[1] == (b"data: second\n\n", 6)
     assert items[-1] == {"tokens": {"prompt_tokens": 11, "completion_tokens": 6}}
+
+
+def test_coalesce_runs_vllms_stream_with_the_requests_meter_set() -> None:
+    """vLLM's serving layer calls the engine client's ``generate`` only as its stream is read, in
+    the pump task: the paced client there must find this request's meter (it once found none, and
+    every cut-short stream was charged 0 tokens)."""
+    meter = TokenMeter()
+    seen: list[TokenMeter | None] = []
+
+    async def produce() -> AsyncIterator[str]:
+        seen.append(current_meter.get())
+        yield "data: x\n\n"
+
+    async def run() -> list[Any]:
+        return [i async for i in _server()._coalesce(produce(), True, meter)]
+
+    asyncio.run(run())
+    assert seen == [meter]
