@@ -65,7 +65,7 @@ def rules(cfg: AppConfig) -> dict[str, Any]:
         "for": "5m",
         "labels": {"severity": "critical"},
         "annotations": {
-            "summary": "Gateway error rate above {:.0%}".format(ERROR_RATE),
+            "summary": f"Gateway error rate above {ERROR_RATE:.0%}",
             "description": "{{ $value | humanizePercentage }} of requests to {{ $labels.model }} "
                            "end in a 5xx other than 503 (503 is deliberate shedding).",
         },

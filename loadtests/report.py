@@ -61,7 +61,7 @@ def render(prom: PromQL, board: Board, start: float, end: float, out: Path,
     fig, axes = plt.subplots(len(board.rows), ncols, figsize=(4.2 * ncols, 3.2 * len(board.rows)),
                              squeeze=False)
     empty = []
-    for r, (row_title, panels) in enumerate(board.rows):
+    for r, (_, panels) in enumerate(board.rows):
         for c in range(ncols):
             ax = axes[r][c]
             if c >= len(panels):
@@ -72,7 +72,7 @@ def render(prom: PromQL, board: Board, start: float, end: float, out: Path,
             series = fetch(prom, p, start, end, step, window)
             drawn = 0
             for legend, xs, ys in series:
-                pts = [(x, y * scale) for x, y in zip(xs, ys) if math.isfinite(y)]
+                pts = [(x, y * scale) for x, y in zip(xs, ys, strict=True) if math.isfinite(y)]
                 if pts:
                     ax.plot([x for x, _ in pts], [y for _, y in pts], label=legend, linewidth=1.5)
                     drawn += 1

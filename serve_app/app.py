@@ -5,10 +5,11 @@ Ray Serve config files point their ``import_path`` here; ``args`` is validated b
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 from ray.serve import Application
+from ray.serve.deployment import Deployment
 
 from serve_app.config import AppConfig, ModelConfig, format_validation_error
 from serve_app.engine.deployment import ModelServer
@@ -50,14 +51,17 @@ def model_deployment_options(m: ModelConfig) -> dict[str, Any]:
 
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
     cfg = parse_args(args)
+    # @serve.deployment turns the classes into Deployments; mypy still sees the classes.
+    model_server = cast(Deployment, ModelServer)
+    gateway = cast(Deployment, Gateway)
     handles = {
-        m.id: ModelServer.options(**model_deployment_options(m)).bind(
+        m.id: model_server.options(**model_deployment_options(m)).bind(
             m.model_dump(mode="json"), cfg.cache_dir, cfg.top_priority
         )
         for m in cfg.models
     }
     g = cfg.gateway
-    return Gateway.options(
+    return gateway.options(
         name=GATEWAY_DEPLOYMENT,
         num_replicas=g.num_replicas,
         max_ongoing_requests=g.max_ongoing_requests,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import signal
@@ -17,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from serve_app import ingress
+from serve_app import front_door
 
 DEFAULT_CONFIG = "configs/local.yaml"
 DEMO_KEY_ID = "local-demo"
@@ -47,7 +48,9 @@ def _load_config(path: str) -> Any:
     try:
         return AppConfig.model_validate(_app_args(_serve_doc(path)))
     except ValidationError as exc:
-        raise SystemExit(f"{path}: invalid app config:\n{format_validation_error(exc, 'args')}")
+        raise SystemExit(
+            f"{path}: invalid app config:\n{format_validation_error(exc, 'args')}"
+        ) from None
 
 
 # ---- keys ---------------------------------------------------------------------------------------
@@ -185,13 +188,13 @@ def cmd_run(ns: argparse.Namespace) -> int:
     # Ray Serve reads the ingress settings once, when ray.serve is first imported, in every
     # process: Ray's own (so before ray.init) and this one, which builds the app and its
     # deployment handles (so before the import; otherwise the handles between the gateway and
-    # the models would not get the transport that ingress.py chooses).
+    # the models would not get the transport that front_door.py chooses).
     # Short: Ray adds a 56-character node directory, and HAProxy's socket path allows 97 characters.
     run_dir = Path(tempfile.mkdtemp(prefix="sa-", dir="/tmp"))
-    ingress.apply(ns.ingress, run_dir, host)
+    front_door.apply(ns.ingress, run_dir, host)
     if ns.verbose:  # throughput mode keeps replica logs off stderr, which is what --verbose shows
         os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "1")
-    _say(f"HTTP ingress: {ingress.describe(ns.ingress)}")
+    _say(f"HTTP ingress: {front_door.describe(ns.ingress)}")
     import ray
     from ray import serve
 
@@ -202,7 +205,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         include_dashboard=False,
         log_to_driver=ns.verbose,
         configure_logging=True,
-        logging_level="WARNING",
+        logging_level=logging.WARNING,
     )
     stop = threading.Event()
 
@@ -252,7 +255,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
         if prom is not None:
             prom.stop()
         try:
-            serve.shutdown()
+            serve.shutdown()  # type: ignore[no-untyped-call]
         finally:
             ray.shutdown()
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -270,7 +273,8 @@ def _start_prometheus(run_dir: Path) -> Any:
     if find_binary() is None:
         _say("--prometheus: no prometheus binary (sudo bash scripts/system-deps.sh installs it)")
         return None
-    sd = write_sd_file(run_dir / "prometheus" / "ray_sd.json", targets_from_nodes(ray.nodes()))
+    nodes = ray.nodes()  # type: ignore[no-untyped-call]
+    sd = write_sd_file(run_dir / "prometheus" / "ray_sd.json", targets_from_nodes(nodes))
     rules = Path(__file__).resolve().parents[1] / "dashboards" / "alerts.yaml"
     prom = Prometheus(run_dir / "prometheus", sd, rule_files=[rules] if rules.exists() else [])
     try:
@@ -293,8 +297,8 @@ def cmd_dashboards(ns: argparse.Namespace) -> int:
     try:
         urls = push(ns.url, token, ns.folder, files)
     except Exception as exc:  # grafana-client raises its own hierarchy; show it, without a traceback
-        raise SystemExit(f"push to {ns.url} failed: {type(exc).__name__}: {exc}")
-    for f, url in zip(files, urls):
+        raise SystemExit(f"push to {ns.url} failed: {type(exc).__name__}: {exc}") from None
+    for f, url in zip(files, urls, strict=True):
         print(f"{f.name}: {ns.url.rstrip('/')}{url}")
     return 0
 
@@ -306,7 +310,7 @@ def cmd_diagnose(ns: argparse.Namespace) -> int:
 
     from serve_app.app import GATEWAY_DEPLOYMENT
 
-    ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
+    ray.init(address="auto", log_to_driver=False, logging_level=logging.ERROR)
     status = serve.status()
     state, detail = _status_line(status)
     print(f"app {APP_NAME}: {state} {detail}")
@@ -334,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for readiness")
     run.add_argument("--ready-file", help="write a JSON file here once ready (for scripts)")
     run.add_argument("--verbose", action="store_true", help="stream replica logs to this terminal")
-    run.add_argument("--ingress", choices=ingress.MODES,
+    run.add_argument("--ingress", choices=front_door.MODES,
                      default=os.environ.get("SERVE_APP_INGRESS", "haproxy"),
                      help="HTTP front door: HAProxy with the gateway replicas serving HTTP directly "
                           "(default, fastest), or Ray Serve's Python proxy actor "

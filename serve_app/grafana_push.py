@@ -25,7 +25,7 @@ def _folder_uid(api: Any, title: str) -> str:
 
 def push(url: str, token: str | None, folder: str, files: list[Path]) -> list[str]:
     """Create or overwrite each dashboard in ``folder``; returns the URL Grafana gives each."""
-    from grafana_client import GrafanaApi
+    from grafana_client.api import GrafanaApi
 
     api = GrafanaApi.from_url(url, credential=token)
     folder_uid = _folder_uid(api, folder)

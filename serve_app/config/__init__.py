@@ -2,7 +2,7 @@
 
 from serve_app.config.models import (
     Accelerator,
-    Admission,
+    AdmissionConfig,
     AppConfig,
     AutoscalingConfig,
     DeploymentOptions,
@@ -20,7 +20,7 @@ from serve_app.config.models import (
 
 __all__ = [
     "Accelerator",
-    "Admission",
+    "AdmissionConfig",
     "AppConfig",
     "AutoscalingConfig",
     "DeploymentOptions",

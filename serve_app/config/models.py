@@ -133,10 +133,13 @@ class Accelerator(_Strict):
     """Where a model runs. ``kind`` decides the placement-group bundles."""
 
     kind: Literal["cpu", "gpu"] = "cpu"
-    # A Ray accelerator type such as "A10G" or "H100"; None means any GPU.
-    type: str | None = None
-    # CPUs reserved for each engine worker (each tensor-parallel rank).
-    cpus_per_worker: PositiveFloat = 1.0
+    type: str | None = Field(
+        default=None,
+        description='A Ray accelerator type such as "A10G" or "H100"; None means any GPU.',
+    )
+    cpus_per_worker: PositiveFloat = Field(
+        default=1.0, description="CPUs reserved for each engine worker (each tensor-parallel rank)."
+    )
 
     @model_validator(mode="after")
     def _type_needs_gpu(self) -> Accelerator:
@@ -145,43 +148,62 @@ class Accelerator(_Strict):
         return self
 
 
-class Admission(_Strict):
+class AdmissionConfig(_Strict):
     """When a model counts as saturated, for shedding tiers (see ``TierConfig.shed_at``), and the
     engine slots kept for the top tier."""
 
-    # In-flight requests (all gateway replicas together) at which the model is saturated;
-    # None disables tier shedding for this model (Ray Serve's max_queued_requests still applies).
-    saturation_requests: PositiveInt | None = None
-    # Slots of each engine (of engine.max_num_seqs) that only the top tier (the lowest priority
-    # value) may take. vLLM's scheduler never preempts for priority, so without a reserve a
-    # premium request waits for a long batch stream to finish. 0 turns the reserve off.
-    reserved_slots: NonNegativeInt = 0
+    saturation_requests: PositiveInt | None = Field(
+        default=None,
+        description="In-flight requests (all gateway replicas together) at which the model is "
+        "saturated; None disables tier shedding for this model (its capacity, from "
+        "deployment.max_ongoing_requests and max_queued_requests, still applies).",
+    )
+    reserved_slots: NonNegativeInt = Field(
+        default=0,
+        description="Slots of each engine (of engine.max_num_seqs) that only the top tier (the "
+        "lowest priority value) may take. vLLM's scheduler never preempts for priority, so "
+        "without a reserve a premium request waits for a long batch stream to finish. 0 turns "
+        "the reserve off.",
+    )
 
 
 class ModelConfig(_Strict):
     """One served model: one Ray Serve deployment wrapping one vLLM engine per replica."""
 
     id: str = Field(pattern=_ID_RE)
-    # "builtin:tiny-chat", "package:<python package>/<subdir>", a local path, or a hub id.
-    source: str = Field(min_length=1)
+    source: str = Field(
+        min_length=1,
+        description='"builtin:tiny-chat", "package:<python package>/<subdir>", a local path, '
+        "or a hub id.",
+    )
     task: Literal["generate", "embed"] = "generate"
     aliases: tuple[str, ...] = ()
     engine: EngineArgs = Field(default_factory=EngineArgs)
-    # vLLM OpenAI front-end options (chat_template, tool_call_parser, enable_auto_tool_choice, ...).
-    frontend: dict[str, Any] = Field(default_factory=dict)
+    frontend: dict[str, Any] = Field(
+        default_factory=dict,
+        description="vLLM OpenAI front-end options (chat_template, tool_call_parser, "
+        "enable_auto_tool_choice, ...).",
+    )
     deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
     accelerator: Accelerator = Field(default_factory=Accelerator)
     env: dict[str, str] = Field(default_factory=dict)
-    admission: Admission = Field(default_factory=Admission)
-    # Another model id that answers when this one is unavailable or its queue is full.
-    fallback: str | None = None
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    fallback: str | None = Field(
+        default=None,
+        description="Another model id that answers when this one is unavailable or its queue "
+        "is full.",
+    )
     startup_timeout_s: PositiveFloat = 900.0
-    # Streams send the role and first token at once, then read the engine at most once per
-    # interval; vLLM merges the tokens made meanwhile into one output, which becomes one SSE event
-    # and one message. Fewer, larger events cost less CPU per token on every hop; 0 sends each
-    # engine step.
     # 50 ms is also Ray Serve LLM's default (RAYLLM_MODEL_RESPONSE_BATCH_TIMEOUT_MS).
-    stream_interval_ms: float = Field(default=50.0, ge=0, le=1000)
+    stream_interval_ms: float = Field(
+        default=50.0,
+        ge=0,
+        le=1000,
+        description="Streams send the role and first token at once, then read the engine at most "
+        "once per interval; vLLM merges the tokens made meanwhile into one output, which becomes "
+        "one SSE event and one message. Fewer, larger events cost less CPU per token on every "
+        "hop; 0 sends each engine step.",
+    )
 
     @field_validator("aliases")
     @classmethod
@@ -253,10 +275,16 @@ class ModelConfig(_Strict):
 class Limits(_Strict):
     """Per-key (or per-tier) limits. None means unlimited."""
 
-    rpm: PositiveInt | None = None  # requests per minute
-    tpm: PositiveInt | None = None  # prompt + completion tokens per minute
-    max_concurrent: PositiveInt | None = None
-    max_tokens_cap: PositiveInt | None = None  # a request's max_tokens is clamped to this
+    rpm: PositiveInt | None = Field(default=None, description="Requests per minute.")
+    tpm: PositiveInt | None = Field(
+        default=None, description="Prompt + completion tokens per minute."
+    )
+    max_concurrent: PositiveInt | None = Field(
+        default=None, description="Requests in flight at once."
+    )
+    max_tokens_cap: PositiveInt | None = Field(
+        default=None, description="A request's max_tokens is clamped to this."
+    )
 
     def merged(self, override: Limits | None) -> Limits:
         if override is None:
@@ -296,7 +324,9 @@ class TierConfig(_Strict):
     description: str = ""
     objectives: Objectives = Field(default_factory=Objectives)
     limits: Limits = Field(default_factory=Limits)
-    key_limits: Limits = Field(default_factory=Limits)  # the default for each key of the tier
+    key_limits: Limits = Field(
+        default_factory=Limits, description="The default limits of each key of the tier."
+    )
     shed_at: float = Field(default=1.0, gt=0.0, le=1.0)
 
 
@@ -307,14 +337,20 @@ class GatewayConfig(_Strict):
     keys_reload_interval_s: PositiveFloat = 1.0
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     request_timeout_s: PositiveFloat = 600.0
-    # Longest silence allowed between two chunks of a stream before it is ended with an error.
-    stream_idle_timeout_s: PositiveFloat = 120.0
+    stream_idle_timeout_s: PositiveFloat = Field(
+        default=120.0,
+        description="Longest silence allowed between two chunks of a stream before it is ended "
+        "with an error.",
+    )
     retry_after_s: PositiveInt = 2
     num_replicas: PositiveInt = 1
     max_ongoing_requests: PositiveInt = 1024
     num_cpus: float = Field(default=0.5, ge=0)
-    # Shared limit counters for several gateway replicas, e.g. redis://127.0.0.1:6379/0.
-    redis_url: str | None = None
+    redis_url: str | None = Field(
+        default=None,
+        description="Shared limit counters for several gateway replicas, e.g. "
+        "redis://127.0.0.1:6379/0.",
+    )
 
 
 class AppConfig(_Strict):
@@ -399,13 +435,19 @@ class KeyRecord(_Strict):
     id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
     tier: str = "standard"
-    # Model ids or aliases this key may use; "*" means every model.
-    models: tuple[str, ...] = ("*",)
+    models: tuple[str, ...] = Field(
+        default=("*",), description='Model ids or aliases this key may use; "*" means every model.'
+    )
     created_at: str = ""
     revoked: bool = False
-    # Keys that share a tenant share vLLM's prefix cache; by default each key is its own tenant.
-    tenant: str | None = None
-    limits: Limits | None = None  # overrides the tier's key_limits field by field
+    tenant: str | None = Field(
+        default=None,
+        description="Keys that share a tenant share vLLM's prefix cache; by default each key is "
+        "its own tenant.",
+    )
+    limits: Limits | None = Field(
+        default=None, description="Overrides the tier's key_limits field by field."
+    )
 
     @property
     def tenant_id(self) -> str:

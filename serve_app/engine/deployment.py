@@ -1,7 +1,8 @@
 """The model deployment: one Ray Serve replica = one vLLM engine (see ``server.EngineServer``).
 
-Every public method answers as a stream (head, then bytes), so the gateway handles chat,
-completions and embeddings, streaming or not, with one code path.
+``handle`` serves every endpoint of ``protocol.ENDPOINTS`` and answers as a stream (a head, then
+for a stream its chunks and a trailer), so the gateway handles every endpoint, streaming or not,
+with one code path.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ray import serve
 from serve_app.config import ModelConfig
 from serve_app.engine.server import EngineServer
 from serve_app.engine.sources import resolve_source
-from serve_app.protocol import RequestContext
+from serve_app.protocol import ENDPOINTS, RequestContext
 
 logger = logging.getLogger("ray.serve")
 
@@ -25,37 +26,35 @@ logger = logging.getLogger("ray.serve")
 class ModelServer:
     """Ray Serve deployment wrapping one vLLM engine. Start-up is bounded by ``startup_timeout_s``."""
 
-    async def __init__(self, model: dict[str, Any], cache_dir: str, top_priority: int = 0) -> None:
+    # Ray Serve awaits an async constructor; mypy knows only synchronous ones.
+    async def __init__(  # type: ignore[misc]
+        self, model: dict[str, Any], cache_dir: str, top_priority: int = 0
+    ) -> None:
         self.cfg = ModelConfig.model_validate(model)
         path = await asyncio.to_thread(resolve_source, self.cfg.source, cache_dir)
         self.server = EngineServer(self.cfg, path, top_priority)
         try:
             await asyncio.wait_for(self.server.start(), self.cfg.startup_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.server.shutdown()
             raise RuntimeError(
                 f"engine for {self.cfg.id!r} did not start within {self.cfg.startup_timeout_s:.0f} s"
             ) from None
 
-    async def chat(self, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Any]:
-        async for item in self.server.chat(body, RequestContext.from_dict(ctx)):
-            yield item
-
-    async def completions(self, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Any]:
-        async for item in self.server.completions(body, RequestContext.from_dict(ctx)):
-            yield item
-
-    async def embeddings(self, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Any]:
-        async for item in self.server.embeddings(body, RequestContext.from_dict(ctx)):
+    async def handle(self, endpoint: str, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Any]:
+        """One request of ``ENDPOINTS[endpoint]``, with the context the gateway decided."""
+        async for item in self.server.handle(ENDPOINTS[endpoint], body, RequestContext.from_dict(ctx)):
             yield item
 
     async def stats(self) -> dict[str, Any]:
-        """Engine facts for operators and tests: requests the engine holds, and those waiting in
-        this replica for a slot (``admission.reserved_slots``)."""
+        """Engine facts for operators and tests: requests the engine holds, those waiting in this
+        replica for a slot (``admission.reserved_slots``), and the completion tokens the engine
+        has made for streamed requests since the replica started."""
         return {
             "model": self.cfg.id,
             "unfinished_requests": self.server.unfinished_requests(),
             "waiting_for_slot": self.server.waiting_for_slot(),
+            "streamed_tokens": self.server.streamed_tokens,
         }
 
     async def check_health(self) -> None:

@@ -15,12 +15,16 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from serve_app.engine.clients import current_meter
+
 
 class PacedEngineClient:
     """An engine client whose streamed ``generate`` hands out at most one output per interval.
 
     Everything else is the wrapped engine's. The first output (which carries the first token) is
-    handed out at once; a finished output ends the stream. Requests that are not streamed
+    handed out at once; a finished output ends the stream. Each output of a streamed request is
+    counted in the request's ``TokenMeter`` (``clients.current_meter``), so a stream that ends
+    early still knows how many tokens the engine made. Requests that are not streamed
     (``output_kind`` other than ``DELTA``) are passed through untouched.
     """
 
@@ -36,10 +40,14 @@ class PacedEngineClient:
     ) -> AsyncIterator[Any]:
         outputs = self._engine.generate(prompt, sampling_params, request_id, *args, **kwargs)
         kind = getattr(getattr(sampling_params, "output_kind", None), "name", None)
-        pace = self.interval_s > 0 and kind == "DELTA"
+        streamed = kind == "DELTA"
+        pace = self.interval_s > 0 and streamed
+        meter = current_meter.get() if streamed else None
         try:
             async for out in outputs:
                 handed = time.monotonic()
+                if meter is not None:
+                    meter.add(out)
                 yield out
                 if pace and not getattr(out, "finished", False):
                     # While we sleep, the engine merges its next steps into this request's slot.

@@ -9,20 +9,35 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import hashlib
+import importlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from functools import cache
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from serve_app import errors
 from serve_app.config import ModelConfig
+from serve_app.engine.clients import EngineClient, TokenMeter, current_meter
 from serve_app.engine.pacing import PacedEngineClient
 from serve_app.engine.slots import GatedEngineClient, SlotGate
-from serve_app.protocol import SSE_DONE, RequestContext, head, sse_event, trailer
+from serve_app.protocol import (
+    SSE_DONE,
+    Endpoint,
+    Head,
+    RequestContext,
+    Trailer,
+    head,
+    sse_event,
+    tokens_of,
+    trailer,
+    usage_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +69,13 @@ def _validation_error(err: ValidationError) -> errors.InvalidRequest:
     return errors.InvalidRequest(f"{where}: {msg}" if where else msg, param=param)
 
 
+@cache
+def request_adapter(request_type: str) -> TypeAdapter[Any]:
+    """A validator for an endpoint's vLLM request type ("module:Name"; a class or a union)."""
+    module, _, name = request_type.partition(":")
+    return TypeAdapter(getattr(importlib.import_module(module), name))
+
+
 def _usage_of(event: str) -> dict[str, Any] | None:
     try:
         usage = json.loads(event.removeprefix("data: "))["usage"]
@@ -62,7 +84,7 @@ def _usage_of(event: str) -> dict[str, Any] | None:
         return None
 
 
-def _error_item(exc: errors.ServeAppError) -> dict[str, Any]:
+def _error_item(exc: errors.ServeAppError) -> Head:
     return head(exc.status, json.dumps(exc.to_body()).encode())
 
 
@@ -75,25 +97,23 @@ class EngineServer:
         self.top_priority = top_priority  # the tier priority that may take reserved slots
         self.engine: Any = None
         self.gate: SlotGate | None = None
-        self._chat: Any = None
-        self._completion: Any = None
-        self._embedding: Any = None
+        self.state: Any = None  # vLLM's app state: its serving objects, by attribute name
+        self.streamed_tokens = 0  # completion tokens the engine made for streamed requests
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
+        from starlette.datastructures import State
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.cli_args import FrontendArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.executor.abstract import Executor
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
-        from starlette.datastructures import State
 
         t0 = time.monotonic()
         engine_args = AsyncEngineArgs(**self.cfg.engine_kwargs(self.model_path))
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-        from vllm.v1.executor.abstract import Executor
-
         self.engine = AsyncLLM(
             vllm_config=vllm_config,
             executor_class=Executor.get_class(vllm_config),
@@ -104,22 +124,12 @@ class EngineServer:
         )
         frontend = FrontendArgs(**self.cfg.frontend)
         args = argparse.Namespace(**(vars(frontend) | vars(engine_args)))
-        state = State()
+        self.state = State()
         tasks = await self.engine.get_supported_tasks()
-        await init_app_state(self.engine, state, args, supported_tasks=tasks)
-        self._chat = getattr(state, "openai_serving_chat", None)
-        self._completion = getattr(state, "openai_serving_completion", None)
-        client: Any = self.engine
-        if self.cfg.admission.reserved_slots:
-            self.gate = SlotGate(vllm_config.scheduler_config.max_num_seqs,
-                                 self.cfg.admission.reserved_slots, self.top_priority)
-            client = GatedEngineClient(self.engine, self.gate)
-        # Streams read the engine at most once per interval, so vLLM merges tokens in between.
-        paced = PacedEngineClient(client, self.cfg.stream_interval_ms / 1000.0)
-        for serving in (self._chat, self._completion):
-            if serving is not None:
-                serving.engine_client = paced
-        self._embedding = getattr(state, "serving_embedding", None)
+        # vLLM's serving objects are built around the wrapped client (clients.py), so every
+        # generate call they make goes through the slot gate and the pacing.
+        client: Any = self._engine_client(vllm_config.scheduler_config.max_num_seqs)
+        await init_app_state(client, self.state, args, supported_tasks=tasks)
         self.max_model_len = vllm_config.model_config.max_model_len
         # vLLM reads its settings from os.environ on every access (several per streamed chunk);
         # its engine and worker processes cache them once started, and so does this replica.
@@ -131,6 +141,15 @@ class EngineServer:
             "Engine for %s ready in %.1f s (tasks %s, max_model_len %d)",
             self.cfg.id, time.monotonic() - t0, tasks, self.max_model_len,
         )
+
+    def _engine_client(self, max_num_seqs: int) -> EngineClient:
+        """The chain vLLM's serving layer calls: pacing, then the slot gate, then the engine."""
+        client: EngineClient = self.engine
+        if self.cfg.admission.reserved_slots:
+            self.gate = SlotGate(max_num_seqs, self.cfg.admission.reserved_slots, self.top_priority)
+            client = GatedEngineClient(client, self.gate)
+        # Streams read the engine at most once per interval, so vLLM merges tokens in between.
+        return PacedEngineClient(client, self.cfg.stream_interval_ms / 1000.0)
 
     async def check_health(self) -> None:
         if self.engine is None:
@@ -150,53 +169,61 @@ class EngineServer:
             self.engine = None
 
     # ---- requests ----------------------------------------------------------------------------
-    async def chat(self, body: dict[str, Any], ctx: RequestContext) -> AsyncIterator[Any]:
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-        async for item in self._generate(
-            self._chat, "create_chat_completion", ChatCompletionRequest, body, ctx, "messages"
-        ):
-            yield item
-
-    async def completions(self, body: dict[str, Any], ctx: RequestContext) -> AsyncIterator[Any]:
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-
-        async for item in self._generate(
-            self._completion, "create_completion", CompletionRequest, body, ctx, "prompt"
-        ):
-            yield item
-
-    async def embeddings(self, body: dict[str, Any], ctx: RequestContext) -> AsyncIterator[Any]:
-        from pydantic import TypeAdapter
-        from vllm.entrypoints.pooling.embed.protocol import EmbeddingRequest
-
-        if self._embedding is None:
-            yield _error_item(self._wrong_task("embeddings"))
+    async def handle(
+        self, endpoint: Endpoint, body: dict[str, Any], ctx: RequestContext
+    ) -> AsyncIterator[Head | bytes | tuple[bytes, int] | Trailer]:
+        """Serve one request of ``endpoint``: a ``Head``, then for a stream chunks and a trailer."""
+        serving = getattr(self.state, endpoint.serving, None)
+        if serving is None:
+            yield _error_item(errors.InvalidRequest(
+                f"model {self.cfg.id!r} is a {self.cfg.task} model and does not serve "
+                f"{endpoint.path}",
+                param="model",
+            ))
             return
+        meter = TokenMeter()
+        token = current_meter.set(meter)
         try:
-            request = TypeAdapter(EmbeddingRequest).validate_python({**body, "model": self.cfg.id})
-            response = await asyncio.wait_for(
-                self._embedding(request, raw_request=None), ctx.remaining_s(600.0)
-            )
+            request, wants_usage = self._prepare(endpoint, body, ctx)
+            call = getattr(serving, endpoint.handler)
+            result = await asyncio.wait_for(call(request, raw_request=None), ctx.remaining_s(600.0))
         except ValidationError as exc:
             yield _error_item(_validation_error(exc))
             return
-        except asyncio.TimeoutError:
-            yield _error_item(errors.GatewayTimeout("the embedding request timed out"))
+        except TimeoutError:
+            yield _error_item(errors.GatewayTimeout(f"the {endpoint.name} request timed out"))
             return
         except Exception as exc:  # vLLM raises for bad input (too long, empty, ...)
-            yield _error_item(self._map_exception(exc, "input"))
+            yield _error_item(self._map_exception(exc, endpoint.main_param))
             return
-        data = bytes(response.body)
-        usage = json.loads(data).get("usage") if response.status_code == 200 else None
-        yield head(response.status_code, data, usage=usage)
+        finally:
+            current_meter.reset(token)
+
+        if isinstance(result, AsyncIterator):
+            try:
+                async for item in self._coalesce(result, wants_usage, meter):
+                    yield item
+            finally:  # however the stream ended, even cancelled by a client that went away
+                self.streamed_tokens += meter.completion_tokens
+            return
+        yield self._complete(result, endpoint)
 
     # ---- internals ---------------------------------------------------------------------------
-    def _wrong_task(self, endpoint: str) -> errors.InvalidRequest:
-        return errors.InvalidRequest(
-            f"model {self.cfg.id!r} is a {self.cfg.task} model and does not serve {endpoint}",
-            param="model",
-        )
+    def _complete(self, result: Any, endpoint: Endpoint) -> Head:
+        """The head of a complete answer: vLLM's error, starlette response or response model."""
+        error = getattr(result, "error", None)
+        if error is not None:
+            return _error_item(
+                to_openai_error(int(error.code), error.message, error.param, endpoint.main_param)
+            )
+        if hasattr(result, "status_code"):  # a starlette Response (the pooling endpoints)
+            data = bytes(result.body)
+            ok = result.status_code == 200
+            return head(result.status_code, data,
+                        tokens=usage_tokens(json.loads(data).get("usage")) if ok else None)
+        usage = result.usage.model_dump() if getattr(result, "usage", None) else None
+        return head(200, result.model_dump_json(exclude_unset=False).encode(),
+                    tokens=usage_tokens(usage))
 
     def _map_exception(self, exc: Exception, main_param: str = "messages") -> errors.ServeAppError:
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
@@ -208,72 +235,43 @@ class EngineServer:
             logger.exception("unmapped engine error for %s", self.cfg.id)
             return errors.InternalError("the engine failed to process the request")
 
-    def _prepare(self, request_cls: Any, body: dict[str, Any], ctx: RequestContext) -> tuple[Any, bool]:
+    def _prepare(self, endpoint: Endpoint, body: dict[str, Any], ctx: RequestContext) -> tuple[Any, bool]:
         """vLLM's request object, and whether the client asked for the stream's usage chunk."""
         body = dict(body)
         body["model"] = self.cfg.id  # the gateway resolved aliases; vLLM knows only the id
-        if self.cfg.engine.scheduling_policy == "priority":
-            body["priority"] = ctx.priority
-        if ctx.tenant:
-            body["cache_salt"] = hashlib.sha256(ctx.tenant.encode()).hexdigest()[:32]
         wants_usage = True
-        if body.get("stream") is True:
-            opts = body.get("stream_options")
-            opts = dict(opts) if isinstance(opts, dict) else {}
-            wants_usage = bool(opts.get("include_usage"))
-            # Always ask vLLM for the usage chunk: the gateway accounts tokens from it.
-            opts["include_usage"] = True
-            body["stream_options"] = opts
-        request = request_cls.model_validate(body)
-        request.request_id = ctx.request_id
+        if endpoint.task == "generate":
+            if self.cfg.engine.scheduling_policy == "priority":
+                body["priority"] = ctx.priority
+            if ctx.tenant:
+                body["cache_salt"] = hashlib.sha256(ctx.tenant.encode()).hexdigest()[:32]
+            if body.get("stream") is True:
+                opts = body.get("stream_options")
+                opts = dict(opts) if isinstance(opts, dict) else {}
+                wants_usage = bool(opts.get("include_usage"))
+                # Always ask vLLM for the usage chunk: the gateway accounts tokens from it.
+                opts["include_usage"] = True
+                body["stream_options"] = opts
+        request = request_adapter(endpoint.request_type).validate_python(body)
+        if hasattr(request, "request_id"):
+            request.request_id = ctx.request_id
         return request, wants_usage
 
-    async def _generate(
-        self,
-        serving: Any,
-        method: str,
-        request_cls: Any,
-        body: dict[str, Any],
-        ctx: RequestContext,
-        main_param: str,
-    ) -> AsyncIterator[Any]:
-        if serving is None:
-            yield _error_item(self._wrong_task("chat or text completions"))
-            return
-        try:
-            request, wants_usage = self._prepare(request_cls, body, ctx)
-            result = await getattr(serving, method)(request, raw_request=None)
-        except ValidationError as exc:
-            yield _error_item(_validation_error(exc))
-            return
-        except Exception as exc:
-            yield _error_item(self._map_exception(exc, main_param))
-            return
-
-        if isinstance(result, AsyncIterator):
-            async for item in self._coalesce(result, wants_usage):
-                yield item
-            return
-        error = getattr(result, "error", None)
-        if error is not None:
-            yield _error_item(
-                to_openai_error(int(error.code), error.message, error.param, main_param)
-            )
-            return
-        usage = result.usage.model_dump() if getattr(result, "usage", None) else None
-        yield head(200, result.model_dump_json(exclude_unset=False).encode(), usage=usage)
-
-    async def _coalesce(self, chunks: AsyncIterator[str], wants_usage: bool = True) -> AsyncIterator[Any]:
+    async def _coalesce(
+        self, chunks: AsyncIterator[str], wants_usage: bool = True, meter: TokenMeter | None = None
+    ) -> AsyncIterator[Head | tuple[bytes, int] | Trailer]:
         """Relay vLLM's SSE strings as few messages: whatever is ready goes out as one.
 
         The pacing happens upstream (``PacedEngineClient``): each engine output becomes a burst of
         SSE strings (role and first token; last token, usage and ``[DONE]``), and a burst travels
-        as one message. The usage chunk is read for the trailer (and dropped if the client did not
-        ask for it).
+        as one message, with the completion tokens the engine has made so far (``meter``). The
+        usage chunk is read for the trailer (and dropped if the client did not ask for it); a
+        stream that ends without one (an error) reports the meter's count.
 
         A pump task drains vLLM's generator into a queue. If the consumer is cancelled (the client
         went away), the pump is cancelled too, which makes vLLM abort the request in the engine.
         """
+        meter = meter if meter is not None else TokenMeter()
         queue: asyncio.Queue[Any] = asyncio.Queue()
 
         async def pump() -> None:
@@ -287,7 +285,11 @@ class EngineServer:
                 queue.put_nowait(self._map_exception(exc))
             queue.put_nowait(_END)
 
-        task = asyncio.create_task(pump())
+        # vLLM's serving layer calls the engine client's generate as the pump reads it, so the
+        # pump runs with this request's meter set (tasks vLLM starts from there inherit it).
+        context = contextvars.copy_context()
+        context.run(current_meter.set, meter)
+        task = asyncio.create_task(pump(), context=context)
         first = True
         usage: dict[str, Any] | None = None
         try:
@@ -315,12 +317,17 @@ class EngineServer:
                     item = queue.get_nowait()
                 data = b"".join(parts)
                 if first:
-                    yield head(200, data, stream=True)
+                    yield head(200, data, stream=True, tokens=tokens_of(
+                        meter.prompt_tokens, meter.completion_tokens))
                     first = False
                 elif data:
-                    yield data
+                    yield data, meter.completion_tokens
                 if done:
-                    yield trailer(usage)
+                    counted = usage_tokens(usage)
+                    if counted is not None:
+                        yield {"tokens": counted}
+                    else:
+                        yield trailer(meter.prompt_tokens, meter.completion_tokens)
                     return
         finally:
             if not task.done():
@@ -329,4 +336,3 @@ class EngineServer:
                     await task
                 except (asyncio.CancelledError, Exception):
                     pass
-

@@ -5,11 +5,14 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from serve_app.errors import InvalidRequest
 
 BUILTIN_PREFIX = "builtin:"
 PACKAGE_PREFIX = "package:"
 BUILTINS = ("tiny-chat",)
+
+
+class ModelSourceError(ValueError):
+    """A model ``source`` that cannot be loaded: a configuration error, raised at start-up."""
 
 
 def builtin_path(name: str, cache_dir: str) -> Path:
@@ -22,7 +25,7 @@ def resolve_source(source: str, cache_dir: str) -> str:
     if source.startswith(BUILTIN_PREFIX):
         name = source.removeprefix(BUILTIN_PREFIX)
         if name not in BUILTINS:
-            raise InvalidRequest(f"unknown builtin model {name!r}; known: {list(BUILTINS)}")
+            raise ModelSourceError(f"unknown builtin model {name!r}; known: {list(BUILTINS)}")
         from serve_app.engine.tiny_model import build_tiny_model
 
         return str(build_tiny_model(builtin_path(name, cache_dir)))
@@ -30,9 +33,9 @@ def resolve_source(source: str, cache_dir: str) -> str:
         pkg, _, sub = source.removeprefix(PACKAGE_PREFIX).partition("/")
         spec = importlib.util.find_spec(pkg)
         if spec is None or not spec.submodule_search_locations:
-            raise InvalidRequest(f"model source {source!r}: Python package {pkg!r} is not installed")
+            raise ModelSourceError(f"model source {source!r}: Python package {pkg!r} is not installed")
         path = Path(next(iter(spec.submodule_search_locations))) / sub
         if not path.is_dir():
-            raise InvalidRequest(f"model source {source!r}: {sub!r} is not a folder of {pkg!r}")
+            raise ModelSourceError(f"model source {source!r}: {sub!r} is not a folder of {pkg!r}")
         return str(path)
     return source

@@ -63,7 +63,7 @@ def is_built(path: Path) -> bool:
     if not marker.is_file():
         return False
     try:
-        return json.loads(marker.read_text()).get("recipe") == RECIPE_VERSION
+        return bool(json.loads(marker.read_text()).get("recipe") == RECIPE_VERSION)
     except (OSError, ValueError):
         return False
 

@@ -1,1 +1,1 @@
-"""The ingress: authentication, routing and relaying. Never imports vllm, torch or serve_app.engine."""
+"""The ingress deployment: authentication, routing and relaying. Never imports vllm, torch or serve_app.engine."""

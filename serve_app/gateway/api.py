@@ -20,6 +20,7 @@ from serve_app.gateway.keys import KeyStore
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing import Route, Router
 from serve_app.gateway.usage import Usage
+from serve_app.protocol import ENDPOINTS, Endpoint
 
 logger = logging.getLogger("ray.serve")
 
@@ -90,11 +91,18 @@ def build_api(deps: GatewayDeps) -> FastAPI:
                 )
         return body, len(raw)
 
-    async def relay(
-        request: Request, key: KeyRecord, d: GatewayDeps, method: str, task: str
-    ) -> Response:
-        body, size = await read_json(request, d)
-        return await d.pipeline.handle(key, body, size, method, task)
+    def model_route(endpoint: Endpoint) -> Any:
+        """The generic route of a model endpoint: read the JSON body, hand it to the pipeline."""
+
+        async def route(
+            request: Request, key: KeyRecord = Depends(authenticate),
+            d: GatewayDeps = Depends(get_deps),
+        ) -> Response:
+            body, size = await read_json(request, d)
+            return await d.pipeline.handle(key, endpoint, body, size)
+
+        route.__name__ = endpoint.name
+        return route
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -119,23 +127,8 @@ def build_api(deps: GatewayDeps) -> FastAPI:
     ) -> dict[str, Any]:
         return _model_card(d.router.resolve(model, key))
 
-    @app.post("/v1/chat/completions")
-    async def chat(
-        request: Request, key: KeyRecord = Depends(authenticate), d: GatewayDeps = Depends(get_deps)
-    ) -> Response:
-        return await relay(request, key, d, "chat", "generate")
-
-    @app.post("/v1/completions")
-    async def completions(
-        request: Request, key: KeyRecord = Depends(authenticate), d: GatewayDeps = Depends(get_deps)
-    ) -> Response:
-        return await relay(request, key, d, "completions", "generate")
-
-    @app.post("/v1/embeddings")
-    async def embeddings(
-        request: Request, key: KeyRecord = Depends(authenticate), d: GatewayDeps = Depends(get_deps)
-    ) -> Response:
-        return await relay(request, key, d, "embeddings", "embed")
+    for endpoint in ENDPOINTS.values():
+        app.add_api_route(endpoint.path, model_route(endpoint), methods=["POST"])
 
     install_error_handlers(app)
     return app

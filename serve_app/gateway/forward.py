@@ -1,8 +1,10 @@
 """Send a request to a model deployment and turn its answer into an HTTP response.
 
-The model answers with a head (status, stream flag, first bytes) and then raw SSE bytes, which are
-relayed unparsed. Failures before the first byte become OpenAI-shaped errors; failures after it
-become a final ``data: {"error": ...}`` event and ``[DONE]``, so a stream never just stops.
+The model answers with a head (status, stream flag, first bytes) and then, for a stream, chunks of
+raw SSE bytes (relayed unparsed) and a trailer (see ``protocol``). A failure before the first byte
+raises an OpenAI-shaped error for the pipeline to close the request's ledger with; once an answer
+exists, this module closes the ledger when it ends. A failure after the first byte becomes a final
+``data: {"error": ...}`` event and ``[DONE]``, so a stream never just stops.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -25,21 +27,14 @@ from starlette.responses import Response, StreamingResponse
 
 from serve_app import errors
 from serve_app.config import GatewayConfig
-from serve_app.gateway.usage import Outcome
-from serve_app.protocol import SSE_DONE, RequestContext, sse_event
+from serve_app.gateway.ledger import Ledger, Outcome
+from serve_app.protocol import SSE_DONE, Endpoint, Head, RequestContext, Tokens, sse_event, tokens_of
 
 logger = logging.getLogger("ray.serve")
 
 _UNAVAILABLE = (DeploymentUnavailableError, ReplicaUnavailableError, RayActorError)
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-# Called exactly once when a request ends, however it ends.
-OnDone = Callable[[Outcome], Awaitable[None]]
-
-
-async def _nothing(_: Outcome) -> None:
-    return None
 
 
 class Forwarder:
@@ -63,41 +58,39 @@ class Forwarder:
 
     async def forward(
         self,
-        model_id: str,
-        method: str,
+        ledger: Ledger,
+        endpoint: Endpoint,
         body: dict[str, Any],
         ctx: RequestContext,
         headers: dict[str, str],
-        on_done: OnDone = _nothing,
     ) -> Response:
-        """Call the model; ``on_done`` runs exactly once, however the request ends."""
+        """Call ``ledger.model_id``. Raises ``ServeAppError`` if no answer came (the ledger stays
+        open); otherwise the ledger is closed here once the answer ends, however it ends."""
         start = time.monotonic()
-        try:
-            response = await self._forward(model_id, method, body, ctx, headers, on_done, start)
-        except errors.ServeAppError as exc:
-            await on_done(Outcome(status=exc.status))
-            raise
-        except BaseException:
-            await on_done(Outcome(status=499))  # the client went away before an answer
-            raise
-        return response
-
-    async def _forward(
-        self,
-        model_id: str,
-        method: str,
-        body: dict[str, Any],
-        ctx: RequestContext,
-        headers: dict[str, str],
-        on_done: OnDone,
-        start: float,
-    ) -> Response:
-        handle = self._handles[model_id]
-        gen = getattr(handle, method).remote(body, ctx.to_dict())
+        model_id = ledger.model_id
+        gen = self._handles[model_id].handle.remote(endpoint.name, body, ctx.to_dict())
         self.transport = "object refs" if getattr(gen, "by_reference", True) else "grpc"
+        first = await self._first(model_id, gen)
+        ttft = time.monotonic() - start
+        if first["stream"]:
+            return StreamingResponse(
+                self._relay(ledger, first, gen, start, ttft),
+                media_type="text/event-stream",
+                headers={**headers, **STREAM_HEADERS},
+            )
+        gen.cancel()  # the answer is complete; release the stream promptly
+        tokens = first["tokens"] if first["tokens"] is not None else tokens_of(0, 0)
+        await ledger.close(Outcome(first["status"], tokens, ttft_s=None, duration_s=ttft))
+        return Response(
+            first["body"], status_code=first["status"], media_type="application/json", headers=headers
+        )
+
+    async def _first(self, model_id: str, gen: Any) -> Head:
+        """The model's head, or the error that stands for no answer."""
         try:
             async with asyncio.timeout(self.cfg.request_timeout_s):
-                first = await gen.__anext__()
+                first: Head = await gen.__anext__()
+                return first
         except BackPressureError:
             raise self._unavailable(model_id, "at capacity") from None
         except _UNAVAILABLE:
@@ -112,42 +105,35 @@ class Forwarder:
         except RayTaskError as exc:
             logger.error("model %s failed: %s", model_id, exc.__class__.__name__)
             raise self._unavailable(model_id, "failing") from None
-
-        ttft = time.monotonic() - start
-        if first["stream"]:
-            return StreamingResponse(
-                self._relay(model_id, first["body"], gen, on_done, start, ttft),
-                media_type="text/event-stream",
-                headers={**headers, **STREAM_HEADERS},
-            )
-        gen.cancel()  # the answer is complete; release the stream promptly
-        await on_done(Outcome(status=first["status"], usage=first.get("usage"),
-                              ttft_s=None, duration_s=ttft))
-        return Response(
-            first["body"], status_code=first["status"], media_type="application/json", headers=headers
-        )
+        except BaseException:
+            gen.cancel()  # the client went away (or this task was cancelled) before an answer
+            raise
 
     async def _relay(
-        self, model_id: str, first: bytes, gen: Any, on_done: OnDone, start: float, ttft: float
+        self, ledger: Ledger, first: Head, gen: Any, start: float, ttft: float
     ) -> AsyncIterator[bytes]:
+        model_id = ledger.model_id
         finished = False
-        usage: dict[str, Any] | None = None
-        events = first.count(b"data: ")
+        # The engine's counts so far: the head has the prompt's, each chunk the completion's, and
+        # the trailer the final ones. A stream cut short is charged what the last chunk said.
+        so_far = first["tokens"] or tokens_of(0, 0)
+        prompt, completion = so_far["prompt_tokens"], so_far["completion_tokens"]
+        final: Tokens | None = None
         try:
-            if first:
-                yield first
+            if first["body"]:
+                yield first["body"]
             while True:
                 try:
                     async with asyncio.timeout(self.cfg.stream_idle_timeout_s):
-                        chunk = await gen.__anext__()
+                        item = await gen.__anext__()
                 except StopAsyncIteration:
                     finished = True
                     return
-                if isinstance(chunk, dict):  # the trailer: accounting only, never relayed
-                    usage = chunk.get("usage")
+                if isinstance(item, dict):  # the trailer: accounting only, never relayed
+                    final = item["tokens"]
                     continue
-                events += chunk.count(b"data: ")
-                yield chunk
+                data, completion = item
+                yield data
         except (asyncio.CancelledError, GeneratorExit, RequestCancelledError):
             raise
         except Exception as exc:
@@ -164,10 +150,10 @@ class Forwarder:
         finally:
             if not finished:
                 gen.cancel()
+            out = Outcome(200, final or tokens_of(prompt, completion), ttft_s=ttft,
+                          duration_s=time.monotonic() - start)
             # Runs even when the client went away mid-stream: a task, since this frame may be
             # closing under cancellation.
-            outcome = Outcome(status=200, usage=usage, events=events, ttft_s=ttft,
-                              duration_s=time.monotonic() - start)
-            task = asyncio.get_running_loop().create_task(on_done(outcome))
+            task = asyncio.get_running_loop().create_task(ledger.close(out))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)

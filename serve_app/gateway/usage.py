@@ -8,24 +8,13 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from serve_app.config import KeyRecord, TierConfig
 from serve_app.metrics import GatewayMetrics
+from serve_app.protocol import Tokens
 
 logger = logging.getLogger("ray.serve")
-
-
-@dataclass
-class Outcome:
-    """How one request ended, as the gateway saw it."""
-
-    status: int
-    usage: dict[str, Any] | None = None  # the engine's usage, when it reported one
-    events: int = 0  # SSE events relayed (a stream cut short has no usage)
-    ttft_s: float | None = None
-    duration_s: float | None = None
 
 
 class UsageStore(Protocol):
@@ -60,7 +49,7 @@ class RedisUsageStore:
 
     async def get(self, key_id: str) -> dict[str, int]:
         raw = await self._redis.hgetall(self._prefix + key_id)
-        return {k.decode(): int(v) for k, v in raw.items()}
+        return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
 
 
 class Usage:
@@ -81,29 +70,37 @@ class Usage:
             self.metrics.request_rejected(key_id=key.id, tier=key.tier, model=model, reason=reason)
         await self._add(key.id, {"requests": 1, f"rejected_{reason}": 1})
 
-    async def finished(self, key: KeyRecord, tier: TierConfig, model: str, out: Outcome) -> None:
-        prompt = int((out.usage or {}).get("prompt_tokens") or 0)
-        completion = int((out.usage or {}).get("completion_tokens") or 0)
-        if out.usage is None and out.events:
-            completion = max(0, out.events - 2)  # role chunk and [DONE] carry no token
+    async def finished(
+        self,
+        key: KeyRecord,
+        tier: TierConfig,
+        model: str,
+        status: int,
+        tokens: Tokens | None,
+        ttft_s: float | None = None,
+        duration_s: float | None = None,
+    ) -> None:
+        """One answered request: its tokens (the engine's counts), latencies and missed objectives."""
+        prompt = tokens["prompt_tokens"] if tokens else 0
+        completion = tokens["completion_tokens"] if tokens else 0
         fields = {"requests": 1, "prompt_tokens": prompt, "completion_tokens": completion}
         misses = []
-        if out.ttft_s is not None and out.ttft_s * 1000 > tier.objectives.ttft_p95_ms:
+        if ttft_s is not None and ttft_s * 1000 > tier.objectives.ttft_p95_ms:
             misses.append("ttft")
         tpot = None
-        if out.ttft_s is not None and out.duration_s is not None and completion > 1:
-            tpot = (out.duration_s - out.ttft_s) / (completion - 1)
+        if ttft_s is not None and duration_s is not None and completion > 1:
+            tpot = (duration_s - ttft_s) / (completion - 1)
             if tpot * 1000 > tier.objectives.tpot_p95_ms:
                 misses.append("tpot")
         for m in misses:
             fields[f"slo_miss_{m}"] = 1
-        if out.status >= 400:
-            fields[f"status_{out.status}"] = 1
+        if status >= 400:
+            fields[f"status_{status}"] = 1
         if self.metrics:
             self.metrics.request_finished(
-                key_id=key.id, tier=key.tier, model=model, status=out.status,
+                key_id=key.id, tier=key.tier, model=model, status=status,
                 prompt_tokens=prompt, completion_tokens=completion,
-                ttft_s=out.ttft_s, tpot_s=tpot, missed=tuple(misses),
+                ttft_s=ttft_s, tpot_s=tpot, missed=tuple(misses),
             )
         await self._add(key.id, fields)
 

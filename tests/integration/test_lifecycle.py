@@ -80,7 +80,7 @@ def test_gateway_replica_never_imports_the_engine(stack, serve_handles) -> None:
     _through_every_gateway_replica(stack)
     diag = serve_handles("gateway").diagnostics.remote().result(timeout_s=10)
     assert diag["heavy_modules"] == []
-    # serve-app run sets Ray Serve's throughput mode before importing Ray (serve_app/ingress.py),
+    # serve-app run sets Ray Serve's throughput mode before importing Ray (serve_app/front_door.py),
     # so the handles it builds stream over gRPC, not one Ray object per chunk.
     assert diag["model_transport"] == "grpc"
     print(f"\n[stack] gateway peak RSS: {diag['peak_rss_bytes'] / 2**20:.0f} MiB")
@@ -97,3 +97,46 @@ def test_diagnose_reports_the_gateway_and_each_model_replica(stack) -> None:
     tiny = json.loads(lines["model-tiny-chat"])
     assert tiny["model"] == "tiny-chat" and tiny["waiting_for_slot"] == 0
     assert json.loads(lines["model-minilm-embed"])["unfinished_requests"] == 0
+
+
+def test_cut_short_stream_is_charged_the_tokens_the_engine_made(stack, serve_handles) -> None:
+    """A paced stream carries several tokens per event. The client reads a few events (vLLM's
+    continuous usage stats say how many tokens they held) and goes away: /v1/usage is charged at
+    least those tokens and no more than the engine made for the request, not one per event."""
+    engine = serve_handles("model-tiny-chat")
+    auth = {"Authorization": f"Bearer {stack.keys['all']}"}
+
+    def stats() -> dict:
+        return engine.stats.remote().result(timeout_s=30)
+
+    def usage() -> dict:
+        return httpx.get(f"{stack.base_url}/usage", headers=auth, timeout=30).json()
+
+    made_before, used_before = stats()["streamed_tokens"], usage()
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 2000, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events: list[dict] = []
+    with httpx.stream("POST", f"{stack.base_url}/chat/completions", json=body, timeout=60,
+                      headers=auth) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line.removeprefix("data: ")))
+                if len(events) >= 6 and events[-1]["usage"]["completion_tokens"] >= 20:
+                    break
+    seen = events[-1]["usage"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        used = usage()
+        if used["requests"] > used_before["requests"] and stats()["unfinished_requests"] == 0:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the cut-short request was not recorded")
+    charged = used["completion_tokens"] - used_before["completion_tokens"]
+    made = stats()["streamed_tokens"] - made_before
+    print(f"\n[ledger] client read {len(events)} events holding {seen['completion_tokens']} tokens; "
+          f"charged {charged}; the engine made {made}")
+    assert used["prompt_tokens"] - used_before["prompt_tokens"] == seen["prompt_tokens"]
+    assert seen["completion_tokens"] <= charged <= made < 2000

@@ -19,7 +19,8 @@ import sys
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -130,6 +131,13 @@ def test_ray_export_is_scraped_with_engine_and_gateway_series(prom: Prometheus, 
     per_model = {s["metric"].get("model_name", ""): int(float(s["value"][1])) for s in
                  q.query('count by (model_name) ({__name__=~"ray_vllm_.+"})')}
     print(f"[observability] ray_vllm_* series per model: {per_model}")
+    for model in per_model:
+        got = sorted({s["metric"]["__name__"] for s in q.query(
+            f'{{model_name="{model}",__name__=~"ray_vllm_.+"}}')})
+        print(f"[observability] {model}: {got}")
+    samples = {s["metric"].get("model_name", ""): s["value"][1] for s in q.query(
+        "sum by (model_name) (count_over_time(ray_vllm_num_requests_running[10m]))")}
+    print(f"[observability] samples of ray_vllm_num_requests_running in 10m: {samples}")
     # Engine series carry the model and the Ray Serve replica.
     running = q.query("ray_vllm_num_requests_running")
     assert "tiny-chat" in {s["metric"]["model_name"] for s in running}
@@ -164,7 +172,7 @@ def test_every_alert_expression_evaluates(prom: Prometheus, load) -> None:
 
     doc = yaml.safe_load((DASH / "alerts.yaml").read_text())
     exprs = [(r["alert"], r["expr"]) for g in doc["groups"] for r in g["rules"]]
-    for alert, expr in exprs:
+    for _, expr in exprs:
         q.query(expr, at=load["at"])  # raises on a PromQL error
     deadline = time.monotonic() + 30
     while True:
@@ -247,3 +255,27 @@ def test_prometheus_graph_page_screenshot(prom: Prometheus, load, tmp_path: Path
         driver.quit()
     assert shot.stat().st_size > 20_000
     print(f"\n[observability] Prometheus graph screenshot: {shot}")
+
+
+def test_run_prometheus_flag_starts_one_beside_ray(serve_handles, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """What ``serve-app run --prometheus`` does once the app is ready (Ray connected)."""
+    if shutil.which("prometheus") is None:
+        pytest.skip("prometheus is not installed")
+    from serve_app.cli import _start_prometheus
+
+    prom = _start_prometheus(tmp_path)
+    try:
+        assert prom is not None
+        out = capsys.readouterr().out
+        assert f"PROMETHEUS_URL={prom.url}" in out and prom.url.startswith("http://127.0.0.1:")
+        q = PromQL(prom.url)
+        assert len(q.rules()) == 11  # dashboards/alerts.yaml loaded
+        deadline = time.monotonic() + 30
+        while not any(t["health"] == "up" for t in q.targets()):
+            assert time.monotonic() < deadline, q.targets()
+            time.sleep(1)
+    finally:
+        if prom is not None:
+            prom.stop()
+    assert prom.proc is None

@@ -59,9 +59,10 @@ class FakeModels:
             def __init__(self, method: str) -> None:
                 self.method = method
 
-            def remote(self, body: dict[str, Any], ctx: dict[str, Any]) -> FakeStream:
+            def remote(self, endpoint: str, body: dict[str, Any], ctx: dict[str, Any]) -> FakeStream:
+                assert self.method == "handle"  # the model deployment's one entry point
                 models.calls.append(
-                    {"model_id": model_id, "method": self.method, "body": body, "ctx": ctx}
+                    {"model_id": model_id, "method": endpoint, "body": body, "ctx": ctx}
                 )
                 return FakeStream(list(models.items))
 
@@ -380,8 +381,8 @@ def test_model_card_hidden_from_restricted_key(env: Env) -> None:
 def test_stream_is_relayed_as_event_stream(env: Env) -> None:
     env.models.items = [
         head(200, b'data: {"n": 1}\n\n', stream=True),
-        b'data: {"n": 2}\n\n',
-        SSE_DONE,
+        (b'data: {"n": 2}\n\n', 2),
+        (SSE_DONE, 2),
     ]
     resp = env.post("/v1/chat/completions", {**CHAT, "stream": True}, key=env.all_key)
     assert resp.status_code == 200

@@ -1,7 +1,8 @@
-"""serve_app.gateway.forward: relaying a model's head + SSE bytes, and mapping handle failures.
+"""serve_app.gateway.forward: relaying a model's head + SSE chunks, closing the request's ledger
+with the engine's token counts, and mapping handle failures.
 
-The deployment handle is faked: ``handle.options(stream=True).<method>.remote(body, ctx)`` returns
-an object with ``__anext__`` and ``cancel()``, like Ray Serve's DeploymentResponseGenerator.
+The deployment handle is faked: ``handle.options(stream=True).handle.remote(endpoint, body, ctx)``
+returns an object with ``__anext__`` and ``cancel()``, like Ray Serve's DeploymentResponseGenerator.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from starlette.responses import Response, StreamingResponse
 from serve_app import errors
 from serve_app.config import GatewayConfig
 from serve_app.gateway.forward import Forwarder
-from serve_app.protocol import SSE_DONE, RequestContext, head
+from serve_app.gateway.ledger import Outcome
+from serve_app.protocol import ENDPOINTS, SSE_DONE, RequestContext, head, tokens_of, trailer
 
 HANG = object()  # __anext__ never returns
 
@@ -47,20 +49,21 @@ class FakeGen:
 
 
 class _Method:
-    def __init__(self, handle: FakeHandle, name: str) -> None:
-        self.handle, self.name = handle, name
+    def __init__(self, owner: FakeHandle, name: str) -> None:
+        self.owner, self.name = owner, name
 
-    def remote(self, body: dict[str, Any], ctx: dict[str, Any]) -> FakeGen:
-        self.handle.calls.append((self.name, body, ctx))
-        return self.handle.gen
+    def remote(self, endpoint: str, body: dict[str, Any], ctx: dict[str, Any]) -> FakeGen:
+        assert self.name == "handle"  # the model deployment's one entry point
+        self.owner.calls.append((endpoint, body, ctx))
+        return self.owner.gen
 
 
 class _StreamingHandle:
-    def __init__(self, handle: FakeHandle) -> None:
-        self.handle = handle
+    def __init__(self, owner: FakeHandle) -> None:
+        self.owner = owner
 
     def __getattr__(self, name: str) -> _Method:
-        return _Method(self.handle, name)
+        return _Method(self.owner, name)
 
 
 class FakeHandle:
@@ -80,6 +83,18 @@ CTX = RequestContext(request_id="r1", key_id="k1", tier="standard", priority=3, 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
 
+class FakeLedger:
+    """Records how the forwarder closes the request's books."""
+
+    model_id = "tiny-chat"
+
+    def __init__(self) -> None:
+        self.outcomes: list[Outcome] = []
+
+    async def close(self, out: Outcome) -> None:
+        self.outcomes.append(out)
+
+
 def _forwarder(gen: FakeGen, **gw: Any) -> tuple[Forwarder, FakeHandle]:
     handle = FakeHandle(gen)
     cfg = GatewayConfig(**{"retry_after_s": 7, **gw})
@@ -90,8 +105,9 @@ def _run(coro: Coroutine[Any, Any, Any]) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 10))
 
 
-async def _forward(fwd: Forwarder, method: str = "chat") -> Response:
-    return await fwd.forward("tiny-chat", method, BODY, CTX, {"x-request-id": "abc"})
+async def _forward(fwd: Forwarder, endpoint: str = "chat", ledger: Any = None) -> Response:
+    return await fwd.forward(ledger or FakeLedger(), ENDPOINTS[endpoint], BODY, CTX,
+                             {"x-request-id": "abc"})
 
 
 async def _body(resp: StreamingResponse) -> bytes:
@@ -169,7 +185,8 @@ def test_non_stream_head_becomes_plain_response() -> None:
 
 # ---- streams -----------------------------------------------------------------------------------
 def test_stream_relays_first_bytes_then_chunks() -> None:
-    gen = FakeGen([head(200, b"data: 1\n\n", stream=True), b"data: 2\n\n", b"data: 3\n\n" + SSE_DONE])
+    gen = FakeGen([head(200, b"data: 1\n\n", stream=True), (b"data: 2\n\n", 2),
+                   (b"data: 3\n\n" + SSE_DONE, 3)])
     fwd, _ = _forwarder(gen)
 
     async def scenario() -> tuple[StreamingResponse, bytes]:
@@ -187,8 +204,7 @@ def test_stream_relays_first_bytes_then_chunks() -> None:
 
 
 def test_stream_trailer_is_not_relayed() -> None:
-    usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
-    gen = FakeGen([head(200, b"data: 1\n\n", stream=True), b"data: 2\n\n", {"usage": usage}])
+    gen = FakeGen([head(200, b"data: 1\n\n", stream=True), (b"data: 2\n\n", 4), trailer(3, 4)])
     fwd, _ = _forwarder(gen)
 
     async def scenario() -> bytes:
@@ -202,7 +218,7 @@ def _events(body: bytes) -> list[bytes]:
 
 
 def test_error_mid_stream_ends_with_error_event_and_done() -> None:
-    gen = FakeGen([head(200, b"data: 1\n\n", stream=True), b"data: 2\n\n", RayActorError()])
+    gen = FakeGen([head(200, b"data: 1\n\n", stream=True), (b"data: 2\n\n", 2), RayActorError()])
     fwd, _ = _forwarder(gen)
 
     async def scenario() -> bytes:
@@ -244,7 +260,7 @@ def test_stream_idle_timeout_cancels_the_model_request() -> None:
 
 
 def test_client_disconnect_cancels_the_model_request() -> None:
-    gen = FakeGen([head(200, b"data: 1\n\n", stream=True), b"data: 2\n\n", HANG])
+    gen = FakeGen([head(200, b"data: 1\n\n", stream=True), (b"data: 2\n\n", 2), HANG])
     fwd, _ = _forwarder(gen)
 
     async def scenario() -> bytes:
@@ -257,3 +273,62 @@ def test_client_disconnect_cancels_the_model_request() -> None:
     assert _run(scenario()) == b"data: 1\n\n"
     assert gen.cancelled
 
+
+
+# ---- the ledger is closed once, with the engine's counts ----------------------------------------
+def test_complete_answer_closes_the_ledger_with_its_usage() -> None:
+    ledger = FakeLedger()
+    fwd, _ = _forwarder(FakeGen([head(200, b"{}", tokens=tokens_of(5, 7))]))
+    _run(_forward(fwd, ledger=ledger))
+    assert [o.tokens for o in ledger.outcomes] == [tokens_of(5, 7)]
+    assert ledger.outcomes[0].used_tokens == 12
+
+
+def test_error_head_closes_the_ledger_with_no_tokens_used() -> None:
+    ledger = FakeLedger()
+    fwd, _ = _forwarder(FakeGen([head(400, b'{"error": {}}')]))
+    _run(_forward(fwd, ledger=ledger))
+    assert [(o.status, o.used_tokens) for o in ledger.outcomes] == [(400, 0)]
+
+
+def test_no_answer_leaves_the_ledger_to_the_caller() -> None:
+    ledger = FakeLedger()
+    fwd, _ = _forwarder(FakeGen([BackPressureError(num_queued_requests=1, max_queued_requests=1)]))
+    with pytest.raises(errors.ServiceUnavailable):
+        _run(_forward(fwd, ledger=ledger))
+    assert ledger.outcomes == []
+
+
+def test_finished_stream_is_charged_the_trailer_counts() -> None:
+    ledger = FakeLedger()
+    gen = FakeGen([head(200, b"data: 1\n\n", stream=True, tokens=tokens_of(3, 1)),
+                   (b"data: 2\n\n", 9), trailer(3, 10)])
+    fwd, _ = _forwarder(gen)
+
+    async def scenario() -> None:
+        await _body(await _forward(fwd, ledger=ledger))
+        await asyncio.sleep(0)  # the close runs as a task
+
+    _run(scenario())
+    assert [o.tokens for o in ledger.outcomes] == [tokens_of(3, 10)]
+
+
+def test_stream_cut_short_is_charged_the_engines_count_not_events() -> None:
+    """Pacing merges several tokens into one event: the last chunk's count is what the engine made
+    (here 12 tokens in 2 events), where counting events would charge 2."""
+    ledger = FakeLedger()
+    gen = FakeGen([head(200, b"data: 1\n\n", stream=True, tokens=tokens_of(40, 5)),
+                   (b"data: 2\n\n", 12), HANG])
+    fwd, _ = _forwarder(gen)
+
+    async def scenario() -> None:
+        resp = await _forward(fwd, ledger=ledger)
+        it = resp.body_iterator  # type: ignore[attr-defined]
+        await it.__anext__()
+        await it.__anext__()
+        await it.aclose()  # the client went away
+        await asyncio.sleep(0)
+
+    _run(scenario())
+    assert gen.cancelled
+    assert [o.tokens for o in ledger.outcomes] == [tokens_of(40, 12)]

@@ -15,6 +15,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from serve_app import errors
 from serve_app.config import EngineArgs, ModelConfig, load_app_config
+from serve_app.engine.clients import TokenMeter, current_meter
 from serve_app.engine.server import EngineServer, _validation_error, to_openai_error
 from serve_app.protocol import SSE_DONE
 
@@ -179,13 +180,14 @@ async def _collect(server: EngineServer, source: AsyncIterator[str]) -> list[tup
 
 
 def _relayed(items: list[tuple[float, Any]]) -> list[bytes]:
-    """The bytes messages after the head; the stream may end with a dict trailer (usage only)."""
+    """The bytes of the chunks after the head; the stream ends with a trailer (token counts)."""
     rest = [i for _, i in items[1:]]
-    if rest and isinstance(rest[-1], dict):
-        assert set(rest[-1]) == {"usage"}  # accounting for the gateway, never SSE
-        rest = rest[:-1]
-    assert all(isinstance(b, bytes) for b in rest)
-    return rest
+    assert rest and isinstance(rest[-1], dict)
+    assert set(rest[-1]) == {"tokens"}  # accounting for the gateway, never SSE
+    rest = rest[:-1]
+    assert all(isinstance(c, tuple) and isinstance(c[0], bytes) and isinstance(c[1], int)
+               for c in rest)
+    return [c[0] for c in rest]
 
 
 def _joined(items: list[tuple[float, Any]]) -> bytes:
@@ -324,7 +326,48 @@ def test_coalesce_reports_usage_and_relays_it_only_when_asked(wants_usage: bool)
         return [i async for i in _server()._coalesce(_chunks(parts), wants_usage)]
 
     items = asyncio.run(run())
-    assert items[-1] == {"usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
-    relayed = items[0]["body"] + b"".join(i for i in items[1:-1])
+    assert items[-1] == {"tokens": {"prompt_tokens": 3, "completion_tokens": 2}}
+    relayed = items[0]["body"] + b"".join(i[0] for i in items[1:-1])
     assert (USAGE_EVENT.encode() in relayed) is wants_usage
     assert relayed.startswith(parts[0].encode()) and relayed.endswith(SSE_DONE)
+
+
+def test_coalesce_chunks_carry_the_engines_count_and_the_trailer_has_it_without_usage() -> None:
+    """A stream that ends without vLLM's usage chunk (an engine error) still reports the tokens
+    the engine made, from the meter the paced client fills."""
+    meter = TokenMeter(prompt_tokens=11)
+
+    async def produce() -> AsyncIterator[str]:
+        meter.completion_tokens = 1
+        yield "data: first\n\n"
+        await asyncio.sleep(0.01)
+        meter.completion_tokens = 6  # pacing merged five tokens into the next event
+        yield "data: second\n\n"
+        await asyncio.sleep(0.01)
+        raise RuntimeError("engine core died")
+
+    async def run() -> list[Any]:
+        return [i async for i in _server()._coalesce(produce(), True, meter)]
+
+    items = asyncio.run(run())
+    assert items[0]["tokens"] == {"prompt_tokens": 11, "completion_tokens": 1}
+    assert items[1] == (b"data: second\n\n", 6)
+    assert items[-1] == {"tokens": {"prompt_tokens": 11, "completion_tokens": 6}}
+
+
+def test_coalesce_runs_vllms_stream_with_the_requests_meter_set() -> None:
+    """vLLM's serving layer calls the engine client's ``generate`` only as its stream is read, in
+    the pump task: the paced client there must find this request's meter (it once found none, and
+    every cut-short stream was charged 0 tokens)."""
+    meter = TokenMeter()
+    seen: list[TokenMeter | None] = []
+
+    async def produce() -> AsyncIterator[str]:
+        seen.append(current_meter.get())
+        yield "data: x\n\n"
+
+    async def run() -> list[Any]:
+        return [i async for i in _server()._coalesce(produce(), True, meter)]
+
+    asyncio.run(run())
+    assert seen == [meter]

@@ -29,7 +29,7 @@ MODES = ("haproxy", "proxy")
 # which is every interface. The wrapper pins each wildcard bind to the stack's host before HAProxy
 # reads the file (Ray passes the file with -f on every start and reload).
 _WRAPPER = """#!/bin/sh
-# Written by serve-app run (serve_app/ingress.py): keep HAProxy's listeners on {host}.
+# Written by serve-app run (serve_app/front_door.py): keep HAProxy's listeners on {host}.
 prev=
 for arg in "$@"; do
   if [ "$prev" = "-f" ]; then

@@ -1,4 +1,4 @@
-"""The HAProxy ingress settings and the wrapper that keeps HAProxy's listeners on loopback."""
+"""The HTTP front door settings (HAProxy) and the wrapper that keeps HAProxy's listeners on loopback."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_app import ingress
+from serve_app import front_door
 
 # The listeners of Ray Serve's HAProxy template (ray/serve/_private/haproxy_templates.py).
 RAY_CONFIG = """global
@@ -25,7 +25,7 @@ listen stats
 
 
 def test_env_turns_on_haproxy_and_direct_ingress_with_files_in_the_run_dir(tmp_path: Path) -> None:
-    env = ingress.haproxy_env(tmp_path, "127.0.0.1", "/bin/true")
+    env = front_door.haproxy_env(tmp_path, "127.0.0.1", "/bin/true")
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
     assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
@@ -40,7 +40,7 @@ def test_wrapper_pins_wildcard_binds_to_the_host_and_runs_haproxy(tmp_path: Path
     fake = tmp_path / "fake-haproxy"
     fake.write_text('#!/bin/sh\necho "args: $*"\n')
     fake.chmod(0o755)
-    env = ingress.haproxy_env(tmp_path / "run", "127.0.0.1", str(fake))
+    env = front_door.haproxy_env(tmp_path / "run", "127.0.0.1", str(fake))
     cfg = tmp_path / "haproxy.cfg"
     cfg.write_text(RAY_CONFIG)
 
@@ -62,9 +62,9 @@ def test_apply_keeps_values_already_in_the_environment(
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
     env["RAY_SERVE_HAPROXY_STATS_PORT"] = "18404"
     monkeypatch.setattr(os, "environ", env)  # restored after the test
-    monkeypatch.setattr(ingress, "haproxy_binary", lambda: "/bin/true")
+    monkeypatch.setattr(front_door, "haproxy_binary", lambda: "/bin/true")
 
-    applied = ingress.apply("haproxy", tmp_path / "run", "127.0.0.1")
+    applied = front_door.apply("haproxy", tmp_path / "run", "127.0.0.1")
 
     assert env["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
     assert "RAY_SERVE_HAPROXY_STATS_PORT" not in applied
@@ -72,10 +72,10 @@ def test_apply_keeps_values_already_in_the_environment(
 
 
 def test_proxy_mode_changes_nothing_and_unknown_modes_are_refused(tmp_path: Path) -> None:
-    assert ingress.apply("proxy", tmp_path, "127.0.0.1") == {}
+    assert front_door.apply("proxy", tmp_path, "127.0.0.1") == {}
     with pytest.raises(ValueError, match="haproxy, proxy"):
-        ingress.apply("nginx", tmp_path, "127.0.0.1")
+        front_door.apply("nginx", tmp_path, "127.0.0.1")
 
 
 def test_the_bundled_haproxy_binary_is_installed() -> None:
-    assert os.access(ingress.haproxy_binary(), os.X_OK)
+    assert os.access(front_door.haproxy_binary(), os.X_OK)

@@ -1,0 +1,90 @@
+"""The books of one admitted request: opened by the pipeline, closed exactly once when it ends.
+
+However a request ends (a complete answer, an error before the first byte, an error mid-stream, a
+client that went away, a fallback), its ``Ledger`` is closed once with an ``Outcome``: that settles
+the admission ticket (concurrency released, the token reservation settled against the engine's
+real count) and records usage and metrics. The ledger also owns the request's one fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from serve_app import errors
+from serve_app.config import KeyRecord, TierConfig
+from serve_app.gateway.admission import Admission, Ticket
+from serve_app.gateway.usage import Usage
+from serve_app.protocol import Tokens, tokens_of
+
+logger = logging.getLogger("ray.serve")
+
+NO_TOKENS: Tokens = tokens_of(0, 0)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one request ended, as the gateway saw it."""
+
+    status: int
+    # The engine's own counts; None when they are unknown (no answer came back), in which case the
+    # whole token reservation stays charged.
+    tokens: Tokens | None = None
+    ttft_s: float | None = None
+    duration_s: float | None = None
+
+    @property
+    def used_tokens(self) -> int | None:
+        if self.tokens is None:
+            return None
+        return self.tokens["prompt_tokens"] + self.tokens["completion_tokens"]
+
+
+class Ledger:
+    """One admitted request's books: its ticket, its model, its fallback, and its one close."""
+
+    def __init__(
+        self,
+        key: KeyRecord,
+        tier: TierConfig,
+        ticket: Ticket,
+        admission: Admission,
+        usage: Usage,
+        fallback: str | None,
+    ) -> None:
+        self.key = key
+        self.tier = tier
+        self.ticket = ticket
+        self._admission = admission
+        self._usage = usage
+        # Admission may already have placed the request on its fallback (the primary was full).
+        self._fallback = fallback if fallback != ticket.model_id else None
+        self.closed = False
+
+    @property
+    def model_id(self) -> str:
+        return self.ticket.model_id
+
+    def fall_back(self) -> bool:
+        """Move the request to its fallback model, once, if that model has room."""
+        target, self._fallback = self._fallback, None
+        if target is None:
+            return False
+        try:
+            self._admission.move(self.ticket, self.key, target)
+        except errors.ServiceUnavailable:
+            return False
+        return True
+
+    async def close(self, out: Outcome) -> None:
+        """Settle the ticket and record the outcome. Only the first call counts."""
+        if self.closed:
+            logger.warning("request on %s closed twice; the second close is ignored", self.model_id)
+            return
+        self.closed = True
+        await self._admission.settle(self.ticket, out.used_tokens)
+        if out.status == 503:
+            await self._usage.rejected(self.key, self.model_id, "backpressure")
+        else:
+            await self._usage.finished(self.key, self.tier, self.model_id, out.status, out.tokens,
+                                       out.ttft_s, out.duration_s)

@@ -1,0 +1,154 @@
+"""The request ledger through the real Pipeline, Admission, Forwarder and Usage (only the model
+deployment is fake): every ending closes the books once, with the engine's token counts."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from ray.serve.exceptions import BackPressureError
+
+from serve_app import errors
+from serve_app.config import AppConfig, KeyRecord
+from serve_app.gateway.admission import Admission
+from serve_app.gateway.forward import Forwarder
+from serve_app.gateway.ledger import Ledger, Outcome
+from serve_app.gateway.limits import MemoryBackend
+from serve_app.gateway.pipeline import Pipeline
+from serve_app.gateway.routing import Router
+from serve_app.gateway.usage import MemoryUsageStore, Usage
+from serve_app.protocol import ENDPOINTS, head, tokens_of, trailer
+from tests.unit.test_forward import HANG, FakeGen, FakeHandle
+
+TPM = 100_000
+NOW = 1_000_000.0
+KEY = KeyRecord(id="k", digest="sha256:" + "0" * 64, tier="standard")
+CHAT = ENDPOINTS["chat"]
+
+
+def _cfg() -> AppConfig:
+    return AppConfig.model_validate({
+        "tiers": {"standard": {"priority": 5, "key_limits": {"tpm": TPM}}},
+        "default_tier": "standard",
+        "models": [
+            {"id": "tiny", "source": "builtin:tiny-chat", "fallback": "spare"},
+            {"id": "spare", "source": "builtin:tiny-chat"},
+        ],
+    })
+
+
+class Env:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, gens: dict[str, FakeGen]) -> None:
+        monkeypatch.setattr("serve_app.gateway.admission.clock", lambda: NOW)  # no refill
+        cfg = _cfg()
+        self.handles = {m: FakeHandle(g) for m, g in gens.items()}
+        self.store = MemoryUsageStore()
+        self.backend = MemoryBackend()
+        self.admission = Admission(cfg, self.backend)
+        self.pipeline = Pipeline(cfg, Router(cfg), self.admission,
+                                 Forwarder(self.handles, cfg.gateway), Usage(self.store, None))
+
+    async def request(self, body: dict[str, Any]) -> Any:
+        return await self.pipeline.handle(KEY, CHAT, body, 40)
+
+    async def tpm_charged(self) -> int:
+        """Tokens the key's TPM bucket holds charged now (GCRA: each token moves the bucket's
+        theoretical arrival time by 60/TPM s; the clock is frozen, so nothing refills)."""
+        tat = self.backend._tat.get(f"key:{KEY.id}:tpm", NOW)
+        return round((max(tat, NOW) - NOW) * TPM / 60)
+
+    async def totals(self) -> dict[str, int]:
+        return await self.store.get(KEY.id)
+
+
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 2000,
+        "stream": True}
+
+
+def test_cut_short_stream_charges_the_engines_tokens_to_usage_and_tpm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three paced events carried 25 tokens: both the usage totals and the TPM bucket are charged
+    the engine's 25 (plus the prompt's 17), where the old estimate charged about one per event."""
+    gen = FakeGen([head(200, b"data: a\n\n", stream=True, tokens=tokens_of(17, 1)),
+                   (b"data: b\n\n", 12), (b"data: c\n\n", 25), HANG])
+    env = Env(monkeypatch, {"tiny": gen, "spare": FakeGen([])})
+
+    async def scenario() -> tuple[int, dict[str, int]]:
+        resp = await env.request(dict(BODY))
+        it = resp.body_iterator
+        for _ in range(3):
+            await it.__anext__()
+        await it.aclose()  # the client went away
+        await asyncio.sleep(0.01)  # the ledger closes in a task
+        return await env.tpm_charged(), await env.totals()
+
+    charged, totals = asyncio.run(scenario())
+    assert gen.cancelled
+    assert totals["prompt_tokens"] == 17 and totals["completion_tokens"] == 25
+    assert charged == 17 + 25
+
+
+def test_finished_stream_charges_the_trailer(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = FakeGen([head(200, b"data: a\n\n", stream=True, tokens=tokens_of(9, 1)),
+                   (b"data: b\n\n", 4), trailer(9, 5)])
+    env = Env(monkeypatch, {"tiny": gen, "spare": FakeGen([])})
+
+    async def scenario() -> tuple[int, dict[str, int]]:
+        resp = await env.request(dict(BODY))
+        _ = [c async for c in resp.body_iterator]
+        await asyncio.sleep(0.01)
+        return await env.tpm_charged(), await env.totals()
+
+    charged, totals = asyncio.run(scenario())
+    assert (totals["prompt_tokens"], totals["completion_tokens"], charged) == (9, 5, 14)
+
+
+def test_unavailable_model_falls_back_once_and_closes_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    full = FakeGen([BackPressureError(num_queued_requests=1, max_queued_requests=1)])
+    spare = FakeGen([head(200, b"{}", tokens=tokens_of(3, 4))])
+    env = Env(monkeypatch, {"tiny": full, "spare": spare})
+    body = {**BODY, "stream": False}
+
+    async def scenario() -> tuple[Any, int, dict[str, int]]:
+        resp = await env.request(body)
+        return resp, await env.tpm_charged(), await env.totals()
+
+    resp, charged, totals = asyncio.run(scenario())
+    assert resp.headers["x-served-by"] == "spare"
+    assert [c[0] for c in env.handles["spare"].calls] == ["chat"]
+    assert totals["requests"] == 1 and charged == 7
+    assert env.admission.inflight == {"tiny": 0, "spare": 0}
+
+
+def test_no_answer_anywhere_is_one_rejection_and_refunds_the_reservation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    env = Env(monkeypatch, {
+        "tiny": FakeGen([BackPressureError(num_queued_requests=1, max_queued_requests=1)]),
+        "spare": FakeGen([BackPressureError(num_queued_requests=1, max_queued_requests=1)]),
+    })
+
+    async def scenario() -> tuple[int, dict[str, int]]:
+        with pytest.raises(errors.ServiceUnavailable):
+            await env.request({**BODY, "stream": False})
+        return await env.tpm_charged(), await env.totals()
+
+    charged, totals = asyncio.run(scenario())
+    assert totals == {"requests": 1, "rejected_backpressure": 1}
+    assert charged == 0
+    assert env.admission.inflight == {"tiny": 0, "spare": 0}
+
+
+def test_a_second_close_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = Env(monkeypatch, {"tiny": FakeGen([]), "spare": FakeGen([])})
+
+    async def scenario() -> dict[str, int]:
+        ticket = await env.admission.admit(KEY, ["tiny"], {"max_tokens": 10}, 0)
+        ledger = Ledger(KEY, env.admission.tier(KEY), ticket, env.admission, env.pipeline.usage, None)
+        await ledger.close(Outcome(200, tokens_of(1, 2)))
+        await ledger.close(Outcome(200, tokens_of(100, 200)))
+        return await env.totals()
+
+    assert asyncio.run(scenario())["completion_tokens"] == 2
