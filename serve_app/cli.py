@@ -201,7 +201,13 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
     keys_file = Path(ns.keys_file or cfg.gateway.keys_file).resolve()
     secret_file = keys_file.parent / "demo-key.secret"
-    secret = ensure_demo_key(keys_file, secret_file)
+    from serve_app.gateway.keys import KeysFileError
+
+    try:
+        secret = ensure_demo_key(keys_file, secret_file)
+    except KeysFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     gateway = cfg.gateway.model_copy(update={"keys_file": str(keys_file)})
     cfg = cfg.model_copy(update={"gateway": gateway})
 
