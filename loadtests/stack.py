@@ -101,10 +101,17 @@ class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
+    # Descendants seen so far (pid -> start time): a process whose parent died is no longer
+    # found by a walk from the root, but must still be stopped with it.
+    family: dict[int, int] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
         return self.popen.pid
+
+    def remember_family(self) -> dict[int, int]:
+        self.family.update(descendants(self.pid))
+        return self.family
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -168,7 +175,7 @@ def stop(proc: Proc, first: int = signal.SIGINT, timeout_s: float = 90.0, grace_
     """Stop a process started here: ``first`` to its process group, SIGKILL to the group after
     ``timeout_s``, then SIGKILL to whatever is left of its process tree (Ray's raylet, workers and
     engine processes have groups or sessions of their own and can outlive their parent)."""
-    family = descendants(proc.pid)  # taken while the tree is whole: orphans lose their parent
+    family = proc.remember_family()  # taken while the tree is whole: orphans lose their parent
     if proc.alive():
         say(f"stopping {proc.name} (pid {proc.pid}, {signal.Signals(first).name}) ...")
         _signal_group(proc, first)
@@ -207,6 +214,7 @@ def wait_until(ready: Callable[[], bool], procs: Iterable[Proc], what: str, time
         for p in watched:
             if not p.alive():
                 raise ProcExited(p, what)
+            p.remember_family()
         now = time.monotonic()
         if now - t0 > timeout_s:
             raise StackError(f"{what} not ready after {timeout_s:.0f} s")

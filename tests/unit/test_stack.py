@@ -33,19 +33,29 @@ def test_stop_kills_descendants_that_left_the_process_group(tmp_path: Path) -> N
 
     harness.stop(proc, timeout_s=5, grace_s=0.5)
     assert not proc.alive()
+    assert _gone(child), "the detached child outlived stop()"  # killed, then reaped by init
+
+
+def _gone(pid: int) -> bool:
     deadline = time.monotonic() + 5
-    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)  # killed, then reaped by init
-    stat = Path(f"/proc/{child}/stat")
-    assert not stat.exists() or ") Z " in stat.read_text(), "the detached child outlived stop()"
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or ") Z " in stat.read_text()
 
 
-def test_wait_until_fails_fast_with_the_log_tail(tmp_path: Path) -> None:
-    proc = harness.spawn("quitter", ["sh", "-c", "echo the reason; exit 3"], tmp_path / "log")
+def test_wait_until_fails_fast_and_stop_finds_the_orphans(tmp_path: Path) -> None:
+    # The parent exits and leaves a detached child behind, as a crashed app leaves Ray's processes.
+    proc = harness.spawn("quitter", ["sh", "-c", "setsid sleep 60 & sleep 1.5; echo the reason; exit 3"],
+                         tmp_path / "log")
     t0 = time.monotonic()
     with pytest.raises(harness.ProcExited, match=r"(?s)quitter exited with 3 .*the reason"):
         harness.wait_until(lambda: False, [proc], "nothing", timeout_s=60)
     assert time.monotonic() - t0 < 10
+    [orphan] = [p for p in proc.family if "sleep" in harness.cmdline(p)]
+    assert harness.descendants(proc.pid) == {}  # no longer found from the (dead) root
+    harness.stop(proc, grace_s=0.5)
+    assert _gone(orphan), "the orphan outlived stop()"
 
 
 def test_copy_config_uses_a_private_port_and_keys_file(tmp_path: Path) -> None:
