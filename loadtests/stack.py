@@ -5,8 +5,11 @@ processes through this module, and only this module starts ``serve-app run``. It
 as a black box: it calls the public commands (``serve-app run``, ``serve-app keys create``) and
 reads config files only through ``serve_app.config``.
 
-    with running_stack(Path("configs/local.yaml"), workdir, keys={"me": ("premium", ["*"])}) as s:
-        httpx.get(f"{s.base_url}/models", headers={"Authorization": f"Bearer {s.keys['me']}"})
+    stack = start_stack(Path("configs/local.yaml"), workdir, keys={"me": ("premium", ["*"])})
+    try:
+        httpx.get(f"{stack.base_url}/models", headers={"Authorization": f"Bearer {stack.keys['me']}"})
+    finally:
+        stack.stop()  # the whole process tree
 
 Every process is started in a process group of its own, so that it can be signalled with its
 children, and stopped with its whole tree, Ray's processes included. Nothing here stops a
@@ -24,8 +27,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -352,7 +354,8 @@ def _launch(config: Path, workdir: Path, log: Path, timeout_s: float) -> Proc:
     return spawn("stack (serve-app run)", argv, log)
 
 
-def start_stack(src: Path, workdir: Path, *, keys: Mapping[str, tuple[str, Sequence[str]]] | None = None,
+def start_stack(src: Path, workdir: Path, *,
+                keys: Mapping[str, tuple[str, Sequence[str]]] | None = None,
                 edit: EditArgs | None = None, port: int | None = None,
                 timeout_s: float = START_TIMEOUT_S, retries: int = 0, watch: Iterable[Proc] = (),
                 say: Say = _say) -> Stack:
@@ -361,7 +364,7 @@ def start_stack(src: Path, workdir: Path, *, keys: Mapping[str, tuple[str, Seque
 
     Fails fast with the log's tail if the app (or a process in ``watch``) exits first; an app
     that exits during start-up is started again up to ``retries`` times (Ray's own node start-up
-    can time out on a busy machine). Stop it with ``Stack.stop`` (or use ``running_stack``)."""
+    can time out on a busy machine). Stop it with ``Stack.stop``."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     keys_file = workdir / "keys.yaml"
@@ -369,7 +372,8 @@ def start_stack(src: Path, workdir: Path, *, keys: Mapping[str, tuple[str, Seque
     made = {kid: create_key(keys_file, kid, tier, models)
             for kid, (tier, models) in (keys or {}).items()}
     watched = list(watch)
-    for attempt in range(1, retries + 2):
+    attempt = 1
+    while True:
         log = workdir / ("stack.log" if attempt == 1 else f"stack-{attempt}.log")
         say(f"starting the app on {HOST}:{port} (log {log})")
         stack = Stack(workdir=workdir, config=config, proc=_launch(config, workdir, log, timeout_s),
@@ -381,22 +385,14 @@ def start_stack(src: Path, workdir: Path, *, keys: Mapping[str, tuple[str, Seque
             if exc.proc is not stack.proc or attempt > retries:
                 raise
             say(f"the app exited during start-up (attempt {attempt}); starting it once more")
+            attempt += 1
             continue
+        except StackError as exc:  # not ready in time
+            stack.stop(say)
+            raise StackError(f"{exc}; log {log}:\n{stack.proc.log_tail()}") from None
         except BaseException:
             stack.stop(say)
             raise
         stack.base_url = json.loads(stack.ready_file.read_text())["base_url"]
         say(f"ready in {t:.0f} s at {stack.base_url}")
         return stack
-    raise AssertionError("unreachable")
-
-
-@contextmanager
-def running_stack(src: Path, workdir: Path, **kw: Any) -> Iterator[Stack]:
-    """``start_stack`` as a context manager: the stack's whole process tree is stopped on exit."""
-    say: Say = kw.get("say", _say)
-    stack = start_stack(src, workdir, **kw)
-    try:
-        yield stack
-    finally:
-        stack.stop(say)

@@ -36,7 +36,7 @@ def tier_env(stack) -> dict[str, str]:
 
 def _locust_args(stack) -> list[str]:
     return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE),
-            "--app-config", str(stack.workdir / "serve.yaml"), "--model", "tiny-chat",
+            "--app-config", str(stack.config), "--model", "tiny-chat",
             "--max-output-tokens", "32"]
 
 
