@@ -7,7 +7,6 @@ a bounded queue) so that every error case can be reached quickly.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -105,8 +104,7 @@ def serve_handles(stack: Stack) -> Any:
     # several run, e.g. a stack a load tool started beside this one).
     address = stack.ray_address()
     assert address, f"no raylet found in the stack's process tree (pid {stack.proc.pid})"
-    # A cluster that ray.init() started uses token auth; an explicit address does not enable it.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    # Token auth: tests/conftest.py sets RAY_AUTH_MODE before ray is imported.
     ray.init(address=address, log_to_driver=False, logging_level="ERROR")
     _ray_connected = True
 
