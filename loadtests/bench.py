@@ -125,7 +125,7 @@ def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, m
             result = asyncio.run(asyncio.wait_for(main_async(args), ns.run_timeout))
         metrics = report.run_metrics(result)
         texts = list(result.get("generated_texts") or [])
-    except asyncio.TimeoutError:
+    except TimeoutError:
         metrics, texts = report.failed_run(f"run timed out after {ns.run_timeout:.0f} s"), []
     except Exception as exc:  # a run that raises counts as all requests failed
         metrics, texts = report.failed_run(f"{type(exc).__name__}: {exc}"), []
@@ -183,7 +183,7 @@ def load_model(config: Path, model_id: str) -> tuple[Any, Any]:
     try:
         return cfg, cfg.model(model_id)
     except KeyError:
-        raise SystemExit(f"{config}: no model {model_id!r} (have {[m.id for m in cfg.models]})")
+        raise SystemExit(f"{config}: no model {model_id!r} (have {[m.id for m in cfg.models]})") from None
 
 
 def engine_args(config: Path, model_id: str) -> dict[str, Any]:

@@ -145,8 +145,7 @@ def cmd_engine_args(ns: argparse.Namespace) -> int:
     benchmark's baseline) can be started with the same settings."""
     import contextlib
 
-    from serve_app.engine.sources import resolve_source
-    from serve_app.errors import ServeAppError
+    from serve_app.engine.sources import ModelSourceError, resolve_source
 
     cfg = _load_config(ns.config)
     try:
@@ -158,7 +157,7 @@ def cmd_engine_args(ns: argparse.Namespace) -> int:
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON alone
             path = resolve_source(model.source, cfg.cache_dir)  # builds builtin:tiny-chat if missing
-    except ServeAppError as exc:
+    except ModelSourceError as exc:
         print(f"error: model {model.id!r}: {exc}", file=sys.stderr)
         return 2
     print(json.dumps({
