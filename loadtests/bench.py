@@ -370,13 +370,13 @@ def main(argv: list[str] | None = None) -> int:
         code = 130
     finally:
         # The stack first (SIGINT lets the CLI shut Ray down cleanly), then direct vLLM.
-        for p in reversed(started):
-            harness.stop(p, timeout_s=90 if "stack" in p.name else 30, say=say)
-        for p in started:  # keep the server logs beside the results, without the demo key
-            if p.log.exists():
-                text = p.log.read_text(errors="replace")
+        for proc in reversed(started):
+            harness.stop(proc, timeout_s=90 if "stack" in proc.name else 30, say=say)
+        for proc in started:  # keep the server logs beside the results, without the demo key
+            if proc.log.exists():
+                text = proc.log.read_text(errors="replace")
                 text = re.sub(r"(OPENAI_API_KEY=)\S+", r"\1<redacted>", text)
-                (base.parent / f"{base.name}.{p.log.stem}.log").write_text(text)
+                (base.parent / f"{base.name}.{proc.log.stem}.log").write_text(text)
         shutil.rmtree(workdir, ignore_errors=True)
         say(f"done in {time.monotonic() - t_start:.0f} s")
     return code
