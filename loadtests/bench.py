@@ -7,8 +7,11 @@ model, and the full stack (``serve-app run``: Ray Serve, gateway, keys) unless `
 concurrency and for each repeat, and reports medians, the gateway/direct ratios and the gateway
 replica's peak RSS. It fails (exit 1) if a request failed or an output token count differs.
 
-Results: ``results/bench-<timestamp>.json`` and ``.md``; vLLM's own console output goes to
-``results/bench-<timestamp>.log``. All traffic goes to 127.0.0.1.
+The direct side gets the engine arguments from ``serve-app engine-args``, the stack comes from
+loadtests.stack and its key from ``serve-app keys create``: the benchmark uses only public commands.
+
+Results: ``results/bench/bench-<timestamp>.json`` and ``.md`` (``--results-dir``); vLLM's own
+console output goes to ``results/bench/bench-<timestamp>.log``. All traffic goes to 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
-
 from loadtests import bench_procs as procs
 from loadtests import bench_report as report
-from loadtests.bench_procs import ROOT, Proc, say
+from loadtests import stack as harness
+from loadtests.bench_procs import say
+from loadtests.stack import ROOT, Proc, Stack
 
 ENDPOINTS = {"openai-chat": "/v1/chat/completions", "openai": "/v1/completions"}
 FULL = {"concurrency": "1,16,64", "input_len": 128, "output_len": 64, "repeats": 3}
@@ -62,7 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api-key", help="key for --gateway-url")
     p.add_argument("--ray-address", help="GCS address of the stack's Ray cluster, for the RSS "
                                          "(default: found from the process listening on the gateway port)")
-    p.add_argument("--results-dir", default=str(ROOT / "results"))
+    p.add_argument("--results-dir", default=str(ROOT / "results" / "bench"),
+                   help="where the result files go (default: results/bench/, ignored by git)")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per benchmark run")
     p.add_argument("--smoke", action="store_true",
@@ -121,7 +125,7 @@ def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, m
             result = asyncio.run(asyncio.wait_for(main_async(args), ns.run_timeout))
         metrics = report.run_metrics(result)
         texts = list(result.get("generated_texts") or [])
-    except asyncio.TimeoutError:
+    except TimeoutError:
         metrics, texts = report.failed_run(f"run timed out after {ns.run_timeout:.0f} s"), []
     except Exception as exc:  # a run that raises counts as all requests failed
         metrics, texts = report.failed_run(f"{type(exc).__name__}: {exc}"), []
@@ -154,12 +158,12 @@ def gateway_rss(ray_address: str | None, workdir: Path) -> int | None:
     log = workdir / "rss.log"
     # Clusters started by ray.init() use token auth; an explicit address does not enable it.
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
-    proc = procs.spawn("gateway RSS query",
-                       [sys.executable, "-m", "loadtests.bench_rss", ray_address], log, env=env)
+    proc = harness.spawn("gateway RSS query",
+                         [sys.executable, "-m", "loadtests.bench_rss", ray_address], log, env=env)
     try:
         proc.popen.wait(timeout=90)
     except subprocess.TimeoutExpired:
-        procs.stop(proc, first=signal.SIGKILL, timeout_s=5)
+        harness.stop(proc, first=signal.SIGKILL, timeout_s=5, say=say)
     out = proc.log_tail(100_000)
     lines = [ln for ln in out.splitlines() if ln.startswith("{") and "peak_rss_bytes" in ln]
     if proc.popen.returncode != 0 or not lines:
@@ -171,15 +175,41 @@ def gateway_rss(ray_address: str | None, workdir: Path) -> int | None:
 
 
 # ---- setup ------------------------------------------------------------------------------------------
-def load_model(config: Path, model_id: str) -> tuple[Any, Any]:
-    from serve_app.config import AppConfig
+BENCH_TIER = "bench-unlimited"
 
-    doc = yaml.safe_load(config.read_text())
-    cfg = AppConfig.model_validate(doc["applications"][0]["args"])
+
+def load_model(config: Path, model_id: str) -> tuple[Any, Any]:
+    cfg = harness.read_config(config)
     try:
         return cfg, cfg.model(model_id)
     except KeyError:
-        raise SystemExit(f"{config}: no model {model_id!r} (have {[m.id for m in cfg.models]})")
+        raise SystemExit(f"{config}: no model {model_id!r} (have {[m.id for m in cfg.models]})") from None
+
+
+def engine_args(config: Path, model_id: str) -> dict[str, Any]:
+    """``serve-app engine-args``: the model's path (built if it is the builtin tiny model), its
+    vLLM engine and front-end arguments and its environment, as the app would use them."""
+    done = subprocess.run([*harness.CLI, "engine-args", "--config", str(config), "--model", model_id],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"serve-app engine-args failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    return dict(json.loads(done.stdout))
+
+
+def unlimited_tier(top_priority: int) -> harness.EditArgs:
+    """An edit of the stack's config: one more tier, without limits, for the benchmark's key.
+
+    The benchmark measures the streaming path, so its key must not be rate-limited or shed: a
+    configured tier's RPM or concurrency cap would turn a throughput run into a 429 count. The
+    tier has the top priority (0, the priority that direct vLLM gives every request, unless a tier
+    is above it), so it may use every engine slot, the top tier's reserve included.
+    """
+    def edit(args: dict[str, Any]) -> None:
+        tiers = args.get("tiers") or {"standard": {}}
+        tiers[BENCH_TIER] = {"priority": min(0, top_priority), "description": "benchmark key: no limits"}
+        args["tiers"] = tiers
+
+    return edit
 
 
 def start_servers(ns: argparse.Namespace, config: Path, cfg: Any, model: Any, workdir: Path,
@@ -187,76 +217,50 @@ def start_servers(ns: argparse.Namespace, config: Path, cfg: Any, model: Any, wo
                                                 str | None, str]:
     """Start direct vLLM (and the stack unless given). Returns {side: (root URL, key, root process
     for CPU accounting)}, the Ray address for the RSS and the model path."""
-    from serve_app.engine.sources import resolve_source
-
-    model_path = resolve_source(model.source, cfg.cache_dir)  # builds builtin:tiny-chat if missing
-    kw = model.engine_kwargs(model_path)
-    flags = procs.direct_server_flags(kw, dict(model.frontend))
-    direct_port = procs.free_port()
-    direct = procs.start_direct(flags, direct_port, dict(model.env), workdir / "direct-vllm.log")
+    args = engine_args(config, model.id)
+    model_path = args["model_path"]
+    flags = procs.direct_server_flags(args["engine_kwargs"], args["frontend"])
+    direct_port = harness.free_port()
+    direct = procs.start_direct(flags, direct_port, args["env"], workdir / "direct-vllm.log")
     started.append(direct)
     direct_url = f"http://127.0.0.1:{direct_port}"
 
-    stack: Proc | None = None
+    stack: Stack | None = None
     if ns.gateway_url:
         procs.require_loopback(ns.gateway_url)
         gw_root = ns.gateway_url.rstrip("/").removesuffix("/v1")
         key = ns.api_key
         say(f"using the running stack at {gw_root}")
     else:
-        from serve_app.gateway.keys import create_key
+        say(f"starting the stack; its key 'bench' has tier {BENCH_TIER} (no rate limits)")
+        # Waits for the stack and fails fast if direct vLLM exits meanwhile.
+        stack = harness.start_stack(config, workdir / "stack", keys={"bench": (BENCH_TIER, [model.id])},
+                                    edit=unlimited_tier(cfg.top_priority), timeout_s=ns.startup_timeout,
+                                    retries=1, watch=[direct], say=say)
+        started.append(stack.proc)
+        gw_root, key = stack.root_url, stack.keys["bench"]
 
-        gw_port = procs.free_port()
-        keys_file = workdir / "keys.yaml"
-        stack_config = workdir / "serve.yaml"
-        procs.write_stack_config(config, stack_config, gw_port, keys_file)
-        key = create_key(keys_file, "bench", procs.BENCH_TIER, [model.id])
-        say(f"created key 'bench' (tier {procs.BENCH_TIER}: no rate limits) in {keys_file}")
-        ready = workdir / "ready.json"
-        stack = procs.start_stack(stack_config, gw_port, keys_file, ready, workdir / "stack.log")
-        started.append(stack)
-        gw_root = f"http://127.0.0.1:{gw_port}"
-
-    def wait_ready() -> None:
-        waiting = [p for p in (direct, stack) if p is not None]
-        t = procs.wait_until(lambda: procs.http_status(f"{direct_url}/health") == 200, waiting,
-                             "direct vLLM", ns.startup_timeout)
-        say(f"direct vLLM ready ({t:.0f} s)")
-        if stack is not None:
-            ready_file = workdir / "ready.json"
-            t = procs.wait_until(ready_file.exists, waiting, "the stack", ns.startup_timeout)
-            say(f"stack ready ({t:.0f} s more)")
-
-    try:
-        wait_ready()
-    except procs.ProcExited as exc:
-        # On a loaded machine Ray's node start-up can time out (the raylet waits for its agents).
-        if exc.proc is not stack or "timed out during startup" not in stack.log_tail(20_000):
-            raise
-        say("Ray's node start-up timed out (a loaded machine?): starting the stack once more")
-        procs.stop(stack)
-        started.remove(stack)
-        stack = procs.start_stack(workdir / "serve.yaml", gw_port, workdir / "keys.yaml",
-                                  workdir / "ready.json", workdir / "stack-2.log")
-        started.append(stack)
-        wait_ready()
+    waiting = [p for p in (direct, stack.proc if stack else None) if p is not None]
+    t = harness.wait_until(lambda: harness.http_status(f"{direct_url}/health") == 200, waiting,
+                           "direct vLLM", ns.startup_timeout, say)
+    say(f"direct vLLM ready ({t:.0f} s more)")
 
     for name, root, k in (("direct vLLM", direct_url, None), ("gateway", gw_root, key)):
         body = {"model": model.id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         headers = {"Authorization": f"Bearer {k}"} if k else {}
-        status = procs.http_status(f"{root}/v1/chat/completions", 120, headers, body)
+        status = harness.http_status(f"{root}/v1/chat/completions", 120, headers, body)
         if status != 200:
             raise RuntimeError(f"{name} answered {status} to a test request at {root}"
                                + (" (is the API key right?)" if status == 401 else ""))
 
     ray_address = ns.ray_address
     if ray_address is None:
-        # Our own stack: the proxy on our port must descend from the CLI we started.
         port = urlsplit(gw_root).port or 80
-        ray_address = procs.ray_address_for_http_port(port, stack.pid if stack else None)
+        # Our own stack names its cluster; a running one is found from the process on its port.
+        ray_address = stack.ray_address() if stack else procs.ray_address_for_http_port(port)
         if ray_address:
-            say(f"Ray cluster of the gateway (its proxy listens on port {port}): {ray_address}")
-    gw_root_pid = stack.pid if stack else procs.root_of_port(urlsplit(gw_root).port or 80)
+            say(f"Ray cluster of the gateway: {ray_address}")
+    gw_root_pid = stack.proc.pid if stack else procs.root_of_port(urlsplit(gw_root).port or 80)
     sides = {"direct": (direct_url, None, direct.pid), "gateway": (gw_root, key, gw_root_pid)}
     return sides, ray_address, model_path
 
@@ -358,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             code = 1
         else:
             say("PASS: every request completed on both sides, with equal output token counts")
-    except (RuntimeError, OSError) as exc:
+    except (RuntimeError, OSError, ValueError) as exc:
         say(f"FAIL: setup: {exc}")
         code = 2
     except KeyboardInterrupt:
@@ -366,13 +370,13 @@ def main(argv: list[str] | None = None) -> int:
         code = 130
     finally:
         # The stack first (SIGINT lets the CLI shut Ray down cleanly), then direct vLLM.
-        for p in reversed(started):
-            procs.stop(p, timeout_s=90 if "stack" in p.name else 30)
-        for p in started:  # keep the server logs beside the results, without the demo key
-            if p.log.exists():
-                text = p.log.read_text(errors="replace")
+        for proc in reversed(started):
+            harness.stop(proc, timeout_s=90 if "stack" in proc.name else 30, say=say)
+        for proc in started:  # keep the server logs beside the results, without the demo key
+            if proc.log.exists():
+                text = proc.log.read_text(errors="replace")
                 text = re.sub(r"(OPENAI_API_KEY=)\S+", r"\1<redacted>", text)
-                (base.parent / f"{base.name}.{p.log.stem}.log").write_text(text)
+                (base.parent / f"{base.name}.{proc.log.stem}.log").write_text(text)
         shutil.rmtree(workdir, ignore_errors=True)
         say(f"done in {time.monotonic() - t_start:.0f} s")
     return code

@@ -2,11 +2,12 @@
 
     python -m loadtests.sweep --config configs/local.yaml --model tiny-chat --param max_num_seqs=4,8,16,32
 
-For each value it starts the app (``serve_app.cli run``) with a copy of the config in which the
-model's setting has that value, on a free loopback port, with one key per tier; warms it up; runs a
+For each value it starts the app (``serve-app run``, through loadtests.stack) with a copy of the
+config in which the model's setting has that value, on a free loopback port, with one key per tier
+(``serve-app keys create``); warms it up; runs a
 headless locust load (loadtests/locustfile.py) with the same users, spawn rate, duration and mix;
 samples the model replica's memory (RSS of the ``ServeReplica:...:model-<id>`` process and its
-engine subprocesses) while the load runs; and stops the app with SIGINT. It writes
+engine subprocesses) while the load runs; and stops the app's whole process tree. It writes
 ``sweep.csv``, ``sweep.md`` and ``sweep.png`` (output tokens/s against TTFT p95, one point per
 value and tier, each tier's TTFT objective as a horizontal line) into the results directory, and
 recommends the value with the highest throughput whose top tier (premium) still meets its SLA.
@@ -18,12 +19,11 @@ import argparse
 import csv
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,9 @@ import httpx
 import psutil
 import yaml
 
+from loadtests import stack as harness
 from loadtests.sla import Objective, read_objectives, top_tier
+from loadtests.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = ROOT / "loadtests" / "locustfile.py"
@@ -43,12 +45,6 @@ def say(msg: str) -> None:
     print(f"[sweep] {msg}", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def parse_param(text: str) -> tuple[str, list[Any]]:
     """``max_num_seqs=4,8`` -> ("max_num_seqs", [4, 8]); values are read as YAML scalars."""
     name, sep, values = text.partition("=")
@@ -57,46 +53,34 @@ def parse_param(text: str) -> tuple[str, list[Any]]:
     return name.strip(), [yaml.safe_load(v) for v in values.split(",") if v.strip()]
 
 
-def sweep_config(base: Path, model_id: str, param: str, value: Any, port: int, workdir: Path,
-                 only_model: bool) -> Path:
-    """A copy of ``base`` with the setting applied, on ``port``, with keys in ``workdir``."""
-    from pydantic import ValidationError
+def apply_value(model_id: str, param: str, value: Any, only_model: bool) -> harness.EditArgs:
+    """An edit of the app's args that gives ``param`` the ``value`` for one model."""
+    from serve_app.config import EngineArgs
 
-    from serve_app.config import EngineArgs, format_validation_error, load_app_config
+    def edit(args: dict[str, Any]) -> None:
+        models = args["models"]
+        model = next((m for m in models if m["id"] == model_id), None)
+        if model is None:
+            raise SystemExit(f"--model ({model_id!r}) is not a model id in the config")
+        if only_model:  # one engine per machine core is plenty; the others only cost start-up time
+            keep = {model_id, model.get("fallback")}
+            args["models"] = [m for m in models if m["id"] in keep]
+            args["routes"] = [r for r in args.get("routes", [])
+                              if all(t["model"] in keep for t in r["split"])]
+        seqs_before = (model.get("engine") or {}).get("max_num_seqs")
+        if "." in param:  # e.g. deployment.max_ongoing_requests
+            *path, leaf = param.split(".")
+            node = model
+            for part in path:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        elif param in EngineArgs.model_fields and param != "extra":
+            model.setdefault("engine", {})[param] = value
+        else:
+            model.setdefault("engine", {}).setdefault("extra", {})[param] = value
+        _keep_reserve_share(model, seqs_before)
 
-    doc = yaml.safe_load(base.read_text())
-    doc["http_options"] = {**(doc.get("http_options") or {}), "host": "127.0.0.1", "port": port}
-    args = doc["applications"][0]["args"]
-    args.setdefault("gateway", {})["keys_file"] = str(workdir / "keys.yaml")
-    models = args["models"]
-    model = next((m for m in models if m["id"] == model_id), None)
-    if model is None:
-        raise SystemExit(f"--model ({model_id!r}) is not a model id in {base}")
-    if only_model:  # one engine per machine core is plenty; the others only cost start-up time
-        keep = {model_id, model.get("fallback")}
-        args["models"] = [m for m in models if m["id"] in keep]
-        args["routes"] = [r for r in args.get("routes", [])
-                          if all(t["model"] in keep for t in r["split"])]
-    seqs_before = (model.get("engine") or {}).get("max_num_seqs")
-    if "." in param:  # e.g. deployment.max_ongoing_requests
-        *path, leaf = param.split(".")
-        node = model
-        for part in path:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    elif param in EngineArgs.model_fields and param != "extra":
-        model.setdefault("engine", {})[param] = value
-    else:
-        model.setdefault("engine", {}).setdefault("extra", {})[param] = value
-    _keep_reserve_share(model, seqs_before)
-    path = workdir / "serve.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    try:  # a value the schema refuses would only show as an app that exits at once
-        load_app_config(path)
-    except ValidationError as exc:
-        raise SystemExit(f"{param}={value} makes an invalid config:\n"
-                         + format_validation_error(exc)) from None
-    return path
+    return edit
 
 
 def _keep_reserve_share(model: dict[str, Any], seqs_before: int | None) -> None:
@@ -145,56 +129,6 @@ class MemorySampler(threading.Thread):
             self.stop_event.wait(self.interval_s)
 
 
-@dataclass
-class Stack:
-    proc: subprocess.Popen[bytes]
-    root_url: str
-    keys: dict[str, str]
-    log: Path
-
-
-def start_stack(config: Path, workdir: Path, tiers: list[str], timeout_s: float) -> Stack:
-    from serve_app.gateway.keys import create_key
-
-    keys_file = workdir / "keys.yaml"
-    keys = {t: create_key(keys_file, f"sweep-{t}", t, ["*"]) for t in tiers}
-    ready = workdir / "ready.json"
-    log = workdir / "stack.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "serve_app.cli", "run", "--config", str(config),
-             "--ready-file", str(ready), "--timeout", str(int(timeout_s))],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, process_group=0,
-        )
-    t0 = time.monotonic()
-    last = 0.0
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"the app exited with {proc.returncode}; see {log}")
-        if time.monotonic() - t0 > timeout_s:
-            stop_stack(proc)
-            raise RuntimeError(f"the app was not ready in {timeout_s:.0f} s; see {log}")
-        if time.monotonic() - last >= 15:
-            say(f"  waiting for the app ({time.monotonic() - t0:.0f} s) ...")
-            last = time.monotonic()
-        time.sleep(0.5)
-    say(f"  app ready in {time.monotonic() - t0:.0f} s")
-    base = json.loads(ready.read_text())["base_url"]
-    return Stack(proc=proc, root_url=base.removesuffix("/v1"), keys=keys, log=log)
-
-
-def stop_stack(proc: subprocess.Popen[bytes]) -> None:
-    """SIGINT to the app's process group (it shuts Ray down itself); SIGKILL after 90 s."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def warm_up(stack: Stack, model: str, key: str, requests: int) -> None:
     """A few short streamed requests, so that the first measured ones do not pay for cold paths."""
     with httpx.Client(base_url=stack.root_url, timeout=60) as client:
@@ -219,12 +153,17 @@ class Row:
         return next((t for t in self.result.get("tiers", []) if t["tier"] == name), {})
 
 
-def run_load(ns: argparse.Namespace, stack: Stack, config: Path, workdir: Path) -> tuple[int, dict[str, Any]]:
+def key_id(tier: str) -> str:
+    return f"sweep-{tier}"
+
+
+def run_load(ns: argparse.Namespace, stack: Stack, tiers: Iterable[str],
+             workdir: Path) -> tuple[int, dict[str, Any]]:
     sla_json = workdir / "sla.json"
-    env = {**os.environ, **{f"SERVE_APP_KEY_{t.upper()}": k for t, k in stack.keys.items()}}
+    env = {**os.environ, **{f"SERVE_APP_KEY_{t.upper()}": stack.keys[key_id(t)] for t in tiers}}
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", stack.root_url,
            "--headless", "-u", str(ns.users), "-r", str(ns.spawn_rate), "-t", ns.duration,
-           "--only-summary", "--app-config", str(config), "--model", ns.model, "--mix", ns.mix,
+           "--only-summary", "--app-config", str(stack.config), "--model", ns.model, "--mix", ns.mix,
            "--max-output-tokens", str(ns.max_output_tokens), "--sla-json", str(sla_json),
            "--csv", str(workdir / "locust")]
     if ns.prompts:
@@ -357,7 +296,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", default="", help="prompts JSONL or ShareGPT JSON (default: bundled)")
     p.add_argument("--warmup-requests", type=int, default=4)
     p.add_argument("--results-dir", type=Path, default=None,
-                   help="default: loadtests/results/sweep-<param>-<UTC time>")
+                   help="default: results/sweep/sweep-<param>-<UTC time> (ignored by git)")
     p.add_argument("--start-timeout-s", type=float, default=900)
     p.add_argument("--start-retries", type=int, default=1,
                    help="start the app again this many times if it exits during start-up")
@@ -374,11 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     objectives = read_objectives(config)
     top = top_tier(objectives)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    out_dir = (ns.results_dir or ROOT / "loadtests" / "results" / f"sweep-{param}-{stamp}").resolve()
+    out_dir = (ns.results_dir or ROOT / "results" / "sweep" / f"sweep-{param}-{stamp}").resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    from serve_app.config import load_app_config
-
-    deployment = load_app_config(config).model(ns.model).deployment_name
+    deployment = harness.read_config(config).model(ns.model).deployment_name
     say(f"{param} in {values} for {ns.model}; {ns.users} users for {ns.duration} each; "
         f"results in {out_dir}")
     rows: list[Row] = []
@@ -389,29 +326,27 @@ def main(argv: list[str] | None = None) -> int:
         workdir = out_dir / f"{param}-{value}"
         workdir.mkdir(parents=True, exist_ok=True)
         say(f"[{i}/{len(values)}] {param}={value}: starting the app ...")
-        cfg_path = sweep_config(config, ns.model, param, value, free_port(), workdir,
-                                only_model=not ns.keep_other_models)
         stack = None
-        for attempt in range(1 + ns.start_retries):
-            try:
-                stack = start_stack(cfg_path, workdir, list(objectives), ns.start_timeout_s)
-                break
-            except RuntimeError as exc:
-                # Ray's own start-up can time out on a busy machine; a second try usually works.
-                row.error = str(exc)
-                say(f"  {exc}" + (" (retrying)" if attempt < ns.start_retries else ""))
-                (workdir / "keys.yaml").unlink(missing_ok=True)
-                (workdir / "demo-key.secret").unlink(missing_ok=True)
+        try:
+            stack = harness.start_stack(
+                config, workdir, keys={key_id(t): (t, ["*"]) for t in objectives},
+                edit=apply_value(ns.model, param, value, not ns.keep_other_models),
+                timeout_s=ns.start_timeout_s, retries=ns.start_retries, say=say)
+        except harness.ConfigRefused as exc:  # a value the schema refuses stops the sweep
+            raise SystemExit(f"{param}={value} makes an invalid config:\n{exc}") from None
+        except RuntimeError as exc:
+            # Ray's own start-up can time out on a busy machine; start_stack has retried.
+            row.error = str(exc)[:2000]
+            say(f"  {exc}")
         if stack is None:
             continue
-        row.error = ""
         sampler = MemorySampler(stack.proc.pid, deployment)
         try:
             say(f"  warming up ({ns.warmup_requests} requests) ...")
-            warm_up(stack, ns.model, stack.keys[top], ns.warmup_requests)
+            warm_up(stack, ns.model, stack.keys[key_id(top)], ns.warmup_requests)
             sampler.start()
             say(f"  load: {ns.users} users for {ns.duration} ...")
-            row.exit_code, row.result = run_load(ns, stack, cfg_path, workdir)
+            row.exit_code, row.result = run_load(ns, stack, objectives, workdir)
         except Exception as exc:  # keep sweeping: one bad value must not lose the others
             row.error = f"{exc.__class__.__name__}: {exc}"[:300]
             say(f"  failed: {row.error}")
@@ -420,8 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             if sampler.is_alive():
                 sampler.join(timeout=5)
             row.peak_rss_bytes = sampler.peak
-            say("  stopping the app ...")
-            stop_stack(stack.proc)
+            stack.stop(say)
         if row.result:
             say(f"  {row.result['output_tokens_per_s']:.0f} output tok/s, TTFT p95 "
                 f"{_ms(row.result['all'].get('ttft_p95_ms'))} ms, replica peak RSS "

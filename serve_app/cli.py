@@ -1,5 +1,5 @@
 """Console entry point ``serve-app``: run the embedded default, manage keys, build the tiny model,
-check config files and diagnose a running deployment."""
+check config files, print a model's vLLM engine arguments and diagnose a running deployment."""
 
 from __future__ import annotations
 
@@ -36,17 +36,14 @@ def _serve_doc(path: str) -> dict[str, Any]:
     return doc
 
 
-def _app_args(doc: dict[str, Any]) -> dict[str, Any]:
-    return dict(doc["applications"][0].get("args") or {})
-
-
 def _load_config(path: str) -> Any:
     from pydantic import ValidationError
 
-    from serve_app.config import AppConfig, format_validation_error
+    from serve_app.config import format_validation_error, load_app_config
 
+    _serve_doc(path)  # a file that is not a Ray Serve config gets its own message
     try:
-        return AppConfig.model_validate(_app_args(_serve_doc(path)))
+        return load_app_config(path)
     except ValidationError as exc:
         raise SystemExit(
             f"{path}: invalid app config:\n{format_validation_error(exc, 'args')}"
@@ -142,6 +139,36 @@ def cmd_build_tiny_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+# ---- engine arguments ---------------------------------------------------------------------------
+def cmd_engine_args(ns: argparse.Namespace) -> int:
+    """Print what the app gives vLLM for one model, as JSON, so that a plain vLLM server (the
+    benchmark's baseline) can be started with the same settings."""
+    import contextlib
+
+    from serve_app.engine.sources import ModelSourceError, resolve_source
+
+    cfg = _load_config(ns.config)
+    try:
+        model = cfg.model(ns.model)
+    except KeyError:
+        print(f"error: {ns.config}: no model {ns.model!r} (have {[m.id for m in cfg.models]})",
+              file=sys.stderr)
+        return 2
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON alone
+            path = resolve_source(model.source, cfg.cache_dir)  # builds builtin:tiny-chat if missing
+    except ModelSourceError as exc:
+        print(f"error: model {model.id!r}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({
+        "model_path": path,
+        "engine_kwargs": model.engine_kwargs(path),
+        "frontend": dict(model.frontend),
+        "env": dict(model.env),
+    }, indent=2))
+    return 0
+
+
 # ---- config check -------------------------------------------------------------------------------
 def cmd_check_config(ns: argparse.Namespace) -> int:
     bad = 0
@@ -173,7 +200,13 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
     keys_file = Path(ns.keys_file or cfg.gateway.keys_file).resolve()
     secret_file = keys_file.parent / "demo-key.secret"
-    secret = ensure_demo_key(keys_file, secret_file)
+    from serve_app.gateway.keys import KeysFileError
+
+    try:
+        secret = ensure_demo_key(keys_file, secret_file)
+    except KeysFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     gateway = cfg.gateway.model_copy(update={"keys_file": str(keys_file)})
     cfg = cfg.model_copy(update={"gateway": gateway})
 
@@ -360,8 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     keys = sub.add_parser("keys", help="create, list, rotate and revoke API keys")
     keys.add_argument("--config", default=DEFAULT_CONFIG)
     keys.add_argument("--keys-file", help="defaults to the config's gateway.keys_file")
+    # The same two options after the subcommand too (`keys create --keys-file F ...`).
+    key_opts = argparse.ArgumentParser(add_help=False)
+    key_opts.add_argument("--config", default=argparse.SUPPRESS)
+    key_opts.add_argument("--keys-file", default=argparse.SUPPRESS)
     ksub = keys.add_subparsers(dest="keys_cmd", required=True)
-    kc = ksub.add_parser("create", help="create a key and print its secret once")
+    kc = ksub.add_parser("create", parents=[key_opts], help="create a key and print its secret once")
     kc.add_argument("--id", required=True)
     kc.add_argument("--tier", default="standard")
     kc.add_argument("--models", default="*", help="comma-separated model ids or aliases, or *")
@@ -369,10 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("rpm", "tpm", "max_concurrent", "max_tokens_cap"):
         kc.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int,
                         help=f"override the tier's per-key {name}")
-    ksub.add_parser("list", help="list keys (never secrets)")
-    kro = ksub.add_parser("rotate", help="replace a key's secret; the old one stops working")
+    ksub.add_parser("list", parents=[key_opts], help="list keys (never secrets)")
+    kro = ksub.add_parser("rotate", parents=[key_opts],
+                          help="replace a key's secret; the old one stops working")
     kro.add_argument("--id", required=True)
-    kr = ksub.add_parser("revoke", help="revoke a key")
+    kr = ksub.add_parser("revoke", parents=[key_opts], help="revoke a key")
     kr.add_argument("--id", required=True)
     keys.set_defaults(func=cmd_keys)
 
@@ -380,6 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     bt.add_argument("--cache-dir", default="~/.cache/serve-app")
     bt.add_argument("--force", action="store_true")
     bt.set_defaults(func=cmd_build_tiny_model)
+
+    ea = sub.add_parser("engine-args", help="print the vLLM engine arguments of one model as JSON "
+                                            "(model_path, engine_kwargs, frontend, env)")
+    ea.add_argument("--config", default=DEFAULT_CONFIG)
+    ea.add_argument("--model", required=True, help="model id in the config")
+    ea.set_defaults(func=cmd_engine_args)
 
     cc = sub.add_parser("check-config", help="validate Ray Serve config files against the schema")
     cc.add_argument("files", nargs="+")

@@ -12,6 +12,11 @@ from pathlib import Path
 
 import pytest
 
+# Ray caches its config when it is imported. The integration tests' driver connects to the session
+# stack's cluster by its address, and a cluster that ray.init() starts uses token auth, which an
+# explicit address does not switch on: so token mode is set here, before anything imports ray.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+
 
 def free_port() -> int:
     with socket.socket() as s:

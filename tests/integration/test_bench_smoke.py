@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -11,28 +10,26 @@ from pathlib import Path
 
 import pytest
 
+from loadtests import stack as harness
+
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 420  # about 90 s here when idle; a loaded machine slows the vLLM start-up most
 
 
 def test_bench_smoke_gateway_matches_direct_vllm(stack, tmp_path: Path) -> None:
     t0 = time.monotonic()
     log = tmp_path / "bench.out"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "loadtests.bench", "--smoke",
-             "--gateway-url", stack.base_url, "--api-key", stack.keys["all"],
-             "--results-dir", str(tmp_path)],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-        )
-        try:
-            code = proc.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)  # the bench stops the vLLM server it started
-            proc.wait(timeout=60)
-            pytest.fail(f"the smoke benchmark took over {TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+    proc = harness.spawn("smoke benchmark", [
+        sys.executable, "-m", "loadtests.bench", "--smoke",
+        "--gateway-url", stack.base_url, "--api-key", stack.keys["all"],
+        "--results-dir", str(tmp_path)], log)
+    try:
+        code = proc.popen.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the smoke benchmark took over {TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+    finally:
+        harness.stop(proc, timeout_s=60)  # SIGINT first: the bench stops the vLLM it started
     output = log.read_text(errors="replace")
     print(f"\n[bench] smoke run took {time.monotonic() - t0:.0f} s")
     assert code == 0, output[-6000:]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -14,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loadtests import stack as harness
 from serve_app.gateway.keys import create_key
-from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -31,13 +30,13 @@ def tier_env(stack) -> dict[str, str]:
     env = dict(os.environ)
     for tier in TIERS:
         env[f"SERVE_APP_KEY_{tier.upper()}"] = create_key(stack.keys_file, f"locust-{tier}", tier, ["*"])
-    time.sleep(1.5)  # every gateway replica re-reads the keys file within 1 s
+    stack.wait_keys(accepted=[env[f"SERVE_APP_KEY_{t.upper()}"] for t in TIERS])
     return env
 
 
 def _locust_args(stack) -> list[str]:
     return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE),
-            "--app-config", str(stack.workdir / "serve.yaml"), "--model", "tiny-chat",
+            "--app-config", str(stack.config), "--model", "tiny-chat",
             "--max-output-tokens", "32"]
 
 
@@ -89,26 +88,15 @@ def test_web_ui_sla_tab_shows_each_tier_live(stack, tier_env, tmp_path: Path) ->
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    port = free_port()
+    port = harness.free_port()
     ui = f"http://127.0.0.1:{port}"
     log = tmp_path / "locust-ui.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [*_locust_args(stack), "--host", stack.root_url, "--web-host", "127.0.0.1",
-             "--web-port", str(port)],
-            cwd=ROOT, env=tier_env, stdout=out, stderr=subprocess.STDOUT, process_group=0,
-        )
+    proc = harness.spawn("locust web UI", [*_locust_args(stack), "--host", stack.root_url,
+                                           "--web-host", "127.0.0.1", "--web-port", str(port)],
+                         log, env=tier_env)
     driver = None
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(ui + "/", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.3)
+        harness.wait_until(lambda: harness.http_status(ui + "/", 1) == 200, [proc], "the locust web UI", 30)
         # Start a bounded run the way the UI's form does.
         r = httpx.post(ui + "/swarm", data={"user_count": "3", "spawn_rate": "3",
                                             "host": stack.root_url, "run_time": "180s"}, timeout=10)
@@ -155,12 +143,6 @@ def test_web_ui_sla_tab_shows_each_tier_live(stack, tier_env, tmp_path: Path) ->
             httpx.post(ui + "/stop", timeout=10)  # POST, as the UI's stop button does
         except httpx.HTTPError:
             pass
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        harness.stop(proc, timeout_s=30)
     # Stopping the run printed the verdict too.
     assert VERDICT.search(log.read_text()), log.read_text()[-3000:]

@@ -17,7 +17,7 @@ def test_canary_secret_never_leaks(stack, serve_handles) -> None:
     import ray
 
     secret = create_key(stack.keys_file, "canary", "standard", ["tiny-chat"], limits={"rpm": 3})
-    time.sleep(1.5)  # every gateway replica reloads the keys file
+    stack.wait_keys(accepted=[secret])  # every gateway replica has reloaded the keys file
     auth = {"Authorization": f"Bearer {secret}"}
     chat = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     seen: list[httpx.Response] = []

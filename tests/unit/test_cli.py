@@ -1,13 +1,16 @@
-"""serve_app.cli: the stable local demo key, key commands and config checks (no Ray started)."""
+"""serve_app.cli: the stable local demo key, key commands, config checks and engine arguments
+(no Ray started)."""
 
 from __future__ import annotations
 
+import json
 import stat
 from pathlib import Path
 
 import pytest
 
 from serve_app.cli import DEMO_KEY_ID, ensure_demo_key, main
+from serve_app.config import load_app_config
 from serve_app.gateway.keys import KeyStore, create_key, read_keys_file, revoke_key
 
 CONFIG_FILES = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.y*ml"))
@@ -104,3 +107,56 @@ def test_check_config_reports_bad_field(tmp_path: Path, capsys: pytest.CaptureFi
     )
     assert main(["check-config", str(bad)]) == 1
     assert "args.models.0.engine.max_num_seqs" in capsys.readouterr().err
+
+
+def test_keys_options_may_follow_the_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    keys_file = str(tmp_path / "keys.yaml")
+    assert main(["keys", "create", "--keys-file", keys_file, "--id", "k1", "--tier", "batch"]) == 0
+    secret = capsys.readouterr().out.strip().splitlines()[-1]
+    record = KeyStore(Path(keys_file)).lookup(secret)
+    assert record is not None and record.tier == "batch"
+    assert main(["keys", "list", "--keys-file", keys_file]) == 0
+    assert "k1" in capsys.readouterr().out
+
+
+def _one_model_config(tmp_path: Path, model: str) -> Path:
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        "applications:\n"
+        "  - name: llm\n"
+        "    import_path: serve_app.app:build_app\n"
+        "    args:\n"
+        f"      models:\n        - {model}\n"
+    )
+    return path
+
+
+def test_engine_args_prints_what_the_app_gives_vllm(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    config = _one_model_config(tmp_path, (
+        f"{{id: m, source: {weights}, task: embed, frontend: {{enable_prompt_tokens_details: true}}, "
+        "env: {VLLM_CPU_OMP_THREADS_BIND: '1'}, "
+        "engine: {max_num_seqs: 8, tensor_parallel_size: 2, extra: {swap_space: 1}}}"))
+    assert main(["engine-args", "--config", str(config), "--model", "m"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model_path"] == str(weights)
+    kw = out["engine_kwargs"]
+    assert kw["model"] == str(weights) and kw["served_model_name"] == ["m"]
+    assert kw["max_num_seqs"] == 8 and kw["swap_space"] == 1 and kw["runner"] == "pooling"
+    assert kw["distributed_executor_backend"] == "mp"  # TP 2 on the default CPU accelerator
+    # Exactly the model's own engine arguments, as JSON.
+    expected = load_app_config(config).model("m").engine_kwargs(str(weights))
+    assert kw == json.loads(json.dumps(expected))
+    assert out["frontend"] == {"enable_prompt_tokens_details": True}
+    assert out["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+
+
+def test_engine_args_errors_are_messages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _one_model_config(tmp_path, "{id: m, source: 'package:no_such_pkg_xyz/model'}")
+    assert main(["engine-args", "--config", str(config), "--model", "other"]) == 2
+    assert "no model 'other' (have ['m'])" in capsys.readouterr().err
+    assert main(["engine-args", "--config", str(config), "--model", "m"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "'no_such_pkg_xyz' is not installed" in captured.err

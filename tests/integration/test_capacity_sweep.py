@@ -1,7 +1,8 @@
 """A 2-value sweep of max_num_seqs: two redeploys of the app, each under the same short locust load.
 
-Named test_zz_* so that it runs after the modules that share the session stack (the sweep starts
-stacks of its own, one at a time, and the session stack is not needed here).
+Independent of the session stack and of test order: the sweep starts stacks of its own, one at a
+time, through the stack harness, which stops each one's whole process tree (Ray's included), and
+the session's Ray handles connect to the session stack's own cluster by its address.
 """
 
 from __future__ import annotations

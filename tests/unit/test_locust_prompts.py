@@ -1,7 +1,4 @@
-"""The load tests' prompt set: reproducible from its seed, and ShareGPT files are accepted.
-
-No stack needed: these run in a second.
-"""
+"""The load tests' prompt set: reproducible from its seed, and ShareGPT files are accepted."""
 
 from __future__ import annotations
 

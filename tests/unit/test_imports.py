@@ -1,0 +1,177 @@
+"""Imports point one way (DESIGN.md: app -> {gateway, engine} -> metrics -> config -> errors).
+
+Checked by parsing the source with ``ast``; nothing is imported. Every import statement counts,
+also those inside functions, so a lazy import cannot hide a dependency.
+
+- ``serve_app/config`` imports nothing else from serve_app (it is the bottom: the schema);
+  ``serve_app/errors.py`` imports nothing from serve_app.
+- ``serve_app/gateway`` never imports vllm, torch or ``serve_app.engine``, not even through
+  another serve_app module (gateway replicas stay light); ``serve_app/engine`` never imports
+  the gateway. Neither imports ``serve_app.app`` or ``serve_app.cli``, which wire them together.
+- ``loadtests/`` treats the service as a black box: from serve_app it imports only
+  ``serve_app.config``, and the only serve_app module it names (to run it) is ``serve_app.cli``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HEAVY = ("vllm", "torch")
+WIRING = ("serve_app.app", "serve_app.cli")
+MODULE_NAME = re.compile(r"^serve_app(\.\w+)+$")
+
+Violations = dict[str, list[str]]
+
+
+def within(name: str, *packages: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, root: Path) -> set[str]:
+    """Every module an import statement in ``path`` names (``from a import b`` gives ``a`` and
+    ``a.b``, since ``b`` may be a module), with relative imports resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module_name(path, root).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                stem = ".".join([*base, node.module] if node.module else base)
+            else:
+                stem = node.module or ""
+            found.add(stem)
+            found.update(f"{stem}.{alias.name}" for alias in node.names if alias.name != "*")
+    return found
+
+
+def files(root: Path, folder: str) -> list[Path]:
+    return sorted((root / folder).rglob("*.py"))
+
+
+def _only_hits(found: dict[str, list[str]]) -> Violations:
+    return {k: sorted(v) for k, v in found.items() if v}
+
+
+# ---- the rules, as functions of a source tree ---------------------------------------------------
+def config_violations(root: Path) -> Violations:
+    found = {str(p.relative_to(root)): [n for n in imports_of(p, root) if within(n, "serve_app")
+                                        and not within(n, "serve_app.config")]
+             for p in files(root, "serve_app/config")}
+    errors_py = root / "serve_app" / "errors.py"
+    if errors_py.exists():
+        found["serve_app/errors.py"] = [n for n in imports_of(errors_py, root)
+                                        if within(n, "serve_app")]
+    return _only_hits(found)
+
+
+def gateway_violations(root: Path) -> Violations:
+    """gateway module -> forbidden modules it reaches, each with the module that imports it."""
+    modules = {module_name(p, root): p for p in files(root, "serve_app")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in modules.items():
+        graph[mod] = {n if n in modules else n.split(".")[0] for n in imports_of(path, root)
+                      if n in modules or within(n, *HEAVY)}
+    found: dict[str, list[str]] = {}
+    for start in modules:
+        if not within(start, "serve_app.gateway"):
+            continue
+        seen: dict[str, str] = {}
+        todo = [start]
+        while todo:
+            mod = todo.pop()
+            for dep in graph.get(mod, ()):
+                if dep not in seen:
+                    seen[dep] = mod
+                    todo.append(dep)
+        found[start] = [f"{dep} (imported by {via})" for dep, via in seen.items()
+                        if within(dep, "serve_app.engine", *WIRING, *HEAVY)]
+    return _only_hits(found)
+
+
+def engine_violations(root: Path) -> Violations:
+    return _only_hits({str(p.relative_to(root)): [n for n in imports_of(p, root)
+                                                  if within(n, "serve_app.gateway", *WIRING)]
+                       for p in files(root, "serve_app/engine")})
+
+
+def loadtests_violations(root: Path) -> Violations:
+    found: dict[str, list[str]] = {}
+    for path in files(root, "loadtests"):
+        names = [n for n in imports_of(path, root)
+                 if within(n, "serve_app") and n != "serve_app" and not within(n, "serve_app.config")]
+        # Module names in strings: `python -m serve_app.cli ...` is the public command line;
+        # any other would run or import an internal module.
+        names += [n.value for n in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                  and MODULE_NAME.match(n.value) and n.value != "serve_app.cli"
+                  and not within(n.value, "serve_app.config")]
+        found[str(path.relative_to(root))] = names
+    return _only_hits(found)
+
+
+# ---- this repository -----------------------------------------------------------------------------
+def test_config_imports_nothing_else_from_serve_app() -> None:
+    assert config_violations(ROOT) == {}
+
+
+def test_gateway_never_reaches_vllm_torch_or_the_engine() -> None:
+    assert any(files(ROOT, "serve_app/gateway"))
+    assert gateway_violations(ROOT) == {}
+
+
+def test_engine_never_imports_the_gateway() -> None:
+    assert engine_violations(ROOT) == {}
+
+
+def test_loadtests_use_only_the_config_and_public_commands() -> None:
+    assert any(files(ROOT, "loadtests"))
+    assert loadtests_violations(ROOT) == {}
+
+
+# ---- the checker catches what it should -----------------------------------------------------------
+def _tree(root: Path, sources: dict[str, str]) -> Path:
+    for name, text in sources.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_checker_sees_relative_lazy_and_indirect_imports(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "serve_app/__init__.py": "",
+        "serve_app/protocol.py": "def f():\n    import torch.nn as nn\n",  # lazy, in a helper
+        "serve_app/config/__init__.py": "from .. import errors\n",
+        "serve_app/errors.py": "",
+        "serve_app/gateway/__init__.py": "",
+        "serve_app/gateway/a.py": "from ..engine.server import X\nfrom serve_app import protocol\n",
+        "serve_app/gateway/b.py": "from serve_app.config import AppConfig\n",
+        "serve_app/engine/__init__.py": "",
+        "serve_app/engine/server.py": "from serve_app.gateway import a\n",
+        "loadtests/ok.py": "from serve_app.config import load_app_config\nCLI = ['-m', 'serve_app.cli']\n",
+        "loadtests/bad.py": "from serve_app import gateway\nM = 'serve_app.engine.sources'\n",
+    })
+    assert config_violations(root) == {"serve_app/config/__init__.py": ["serve_app", "serve_app.errors"]}
+    gateway = gateway_violations(root)
+    assert set(gateway) == {"serve_app.gateway.a"}
+    assert "serve_app.engine.server (imported by serve_app.gateway.a)" in gateway["serve_app.gateway.a"]
+    assert "torch (imported by serve_app.protocol)" in gateway["serve_app.gateway.a"]
+    assert engine_violations(root) == {"serve_app/engine/server.py": ["serve_app.gateway",
+                                                                      "serve_app.gateway.a"]}
+    assert loadtests_violations(root) == {"loadtests/bad.py": ["serve_app.engine.sources",
+                                                               "serve_app.gateway"]}
