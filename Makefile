@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test unit integration bench bench-smoke clean
+.PHONY: install run test lint unit integration bench bench-smoke clean
 
 install: $(STAMP)
 
@@ -15,8 +15,13 @@ $(STAMP): pyproject.toml scripts/install.sh
 run: install
 	$(PY) -m serve_app.cli run --config configs/local.yaml
 
-test: install
+test: install lint
 	$(PY) -m pytest tests
+
+# Type errors and lint findings fail `make test` (and so CI) before the suite runs.
+lint: install
+	$(VENV)/bin/ruff check serve_app loadtests tests dashboards
+	$(VENV)/bin/mypy
 
 unit: install
 	$(PY) -m pytest tests/unit

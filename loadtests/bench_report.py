@@ -88,7 +88,7 @@ def check_pair(direct: dict[str, Any], gateway: dict[str, Any], num_prompts: int
 
 def text_agreement(direct_texts: list[str], gateway_texts: list[str]) -> tuple[int, int]:
     """(identical, total) streamed texts, request by request (greedy decoding, same prompts)."""
-    same = sum(1 for a, b in zip(direct_texts, gateway_texts) if a == b)
+    same = sum(1 for a, b in zip(direct_texts, gateway_texts, strict=False) if a == b)
     return same, max(len(direct_texts), len(gateway_texts))
 
 

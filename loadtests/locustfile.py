@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from loadtests.prompts import Prompt, load_prompts
-from loadtests.sla import DEFAULT_APP_CONFIG, E2E, TPOT, TTFT, Objective, TierResult, read_objectives
+from loadtests.prompts import Prompt, load_prompts  # noqa: E402 (after the sys.path line)
+from loadtests.sla import DEFAULT_APP_CONFIG, E2E, TPOT, TTFT, Objective, TierResult, read_objectives  # noqa: E402
 
 logger = logging.getLogger("loadtests.sla")
 KEY_ENV = "SERVE_APP_KEY_{}"

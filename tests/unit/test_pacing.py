@@ -74,7 +74,7 @@ def test_stream_reads_at_most_once_per_interval_and_loses_nothing() -> None:
     assert got[0][1].tokens == [0]  # the first token is handed out at once
     assert got[-1][1].finished
     assert len(got) < 40 // 3  # several steps per output
-    gaps = [b[0] - a[0] for a, b in zip(got, got[1:])]
+    gaps = [b[0] - a[0] for a, b in zip(got, got[1:], strict=False)]
     assert min(gaps) >= 0.045
 
 
