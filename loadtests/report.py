@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dashboards.queries import Board, Panel, concrete, sla_board
 from serve_app.config import load_app_config
-from serve_app.prometheus import PromQL
+from dashboards.promql import PromQL
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs/local.yaml"
 UNIT_SCALE = {"s": (1000.0, "ms"), "percentunit": (100.0, "%"), "reqps": (1.0, "req/s")}

@@ -29,7 +29,8 @@ from dashboards.queries import TPOT, TTFT, boards, concrete, sla_board
 from serve_app.config import load_app_config
 from serve_app.gateway.keys import create_key
 from serve_app.metrics import ENGINE_METRICS, METRICS, SERVE_METRICS, exported
-from serve_app.prometheus import Prometheus, PromQL, targets_from_nodes, write_sd_file
+from dashboards.promql import PromQL
+from serve_app.prometheus import Prometheus, targets_from_nodes, write_sd_file
 
 pytestmark = pytest.mark.integration
 
