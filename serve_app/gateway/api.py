@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
-from serve_app.gateway.auth import bearer_token
+from serve_app.gateway.auth import request_key
 from serve_app.gateway.keys import KeyStore
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing import Route, Router
@@ -51,10 +51,11 @@ def build_api(deps: GatewayDeps) -> FastAPI:
 
     async def authenticate(request: Request, d: GatewayDeps = Depends(get_deps)) -> KeyRecord:
         # async: FastAPI would run a sync dependency in a thread pool, a hop on every request.
-        token = bearer_token(request.headers.get("authorization"))
+        token = request_key(request.headers)
         if token is None:
             raise errors.AuthenticationFailed(
-                "Missing or malformed API key. Send the header 'Authorization: Bearer <key>'."
+                "Missing or malformed API key. Send the header 'Authorization: Bearer <key>' "
+                "or 'x-api-key: <key>'."
             )
         key = d.keys.lookup(token)
         if key is None:
