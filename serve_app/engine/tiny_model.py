@@ -30,7 +30,9 @@ KV_HEADS = 1
 LAYERS = 2
 INTERMEDIATE = 256
 VOCAB = 1024
-MAX_POSITIONS = 2048
+# Agents' first requests are long (Claude Code's is about 36k tokens in this tokenizer, Codex's
+# about 29k), so the context is 64k. Llama's positions are rotary: the weights do not depend on it.
+MAX_POSITIONS = 65536
 SEED = 1234
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]

@@ -17,7 +17,7 @@ from loadtests.stack import Stack, StackError, start_stack
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 900
-MAX_MODEL_LEN = 2048  # as in configs/local.yaml
+MAX_MODEL_LEN = 65536  # as in configs/local.yaml: agents' prompts fit (tests/integration/test_agents_real.py)
 MAX_BODY_BYTES = 256 * 1024
 # The engine runs 4 sequences at once, so requests queue, and tier priority decides their order.
 MAX_NUM_SEQS = 4
