@@ -160,7 +160,7 @@ def diagnose_chat(status: int, body: Any) -> tuple[bool, str]:
 
 def is_not_a_chat_model(status: int, body: Any) -> bool:
     """The gateway's answer to chat on an embedding model (then the model is tried as one)."""
-    return status == 400 and "does not serve this endpoint" in error_message(body)
+    return status == 400 and "model and does not serve" in error_message(body)
 
 
 def diagnose_embeddings(status: int, body: Any) -> tuple[bool, str]:

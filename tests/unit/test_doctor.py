@@ -7,6 +7,7 @@ gateway behind httpx.MockTransport (the real gateway is tests/integration/test_d
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -94,7 +95,7 @@ def test_diagnose_chat() -> None:
 
 
 def test_not_a_chat_model_is_recognised() -> None:
-    body = {"error": {"message": "model `minilm-embed` is a embed model and does not serve this endpoint"}}
+    body = {"error": {"message": "model `minilm-embed` is a embed model and does not serve /v1/chat/completions"}}
     assert doctor.is_not_a_chat_model(400, body)
     assert not doctor.is_not_a_chat_model(400, {"error": {"message": "bad"}})
     assert doctor.diagnose_embeddings(200, {"data": [{"embedding": [0.1] * 384}]})[0]
@@ -178,11 +179,13 @@ class FakeGateway:
         if path == "/v1/chat/completions":
             if body["model"] == "minilm-embed":
                 return httpx.Response(400, json={"error": {
-                    "message": "model `minilm-embed` is a embed model and does not serve this endpoint"}})
+                    "message": "model `minilm-embed` is a embed model and does not serve /v1/chat/completions"}})
             if body.get("stream"):
                 prefix = body["messages"][0]["content"]
                 cached = 256 if (self.cache and prefix in self.prompts_seen) else 0
                 self.prompts_seen.add(prefix)
+                if not cached:
+                    time.sleep(0.02)  # a cold prefill is slower
                 events = [{"choices": [{"delta": {"content": "x"}}]},
                           {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": cached}}}]
                 text = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
