@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -44,9 +45,20 @@ def can_unshare() -> bool:
     return probe.returncode == 0
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+_REQUEST_LINE = re.compile(rb"^(GET|HEAD|POST|PUT|PATCH|DELETE|OPTIONS) (\S+) HTTP/1\.[01]\r$", re.M)
+_STATUS_LINE = re.compile(rb"^HTTP/1\.[01] (\d{3})", re.M)
+
+
+async def _pipe(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seen: list[str] | None = None,
+    pattern: re.Pattern[bytes] | None = None,
+) -> None:
     try:
         while data := await reader.read(65536):
+            if seen is not None and pattern is not None:
+                # What crossed, for the test's log: request lines one way, status codes the other
+                # (a scan of the raw bytes; a body that contained such a line would add one).
+                seen.extend(b" ".join(m.groups()).decode() for m in pattern.finditer(data))
             writer.write(data)
             await writer.drain()
     except (ConnectionError, asyncio.CancelledError):
@@ -61,21 +73,26 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 async def _splice(
     client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter,
     up_r: asyncio.StreamReader, up_w: asyncio.StreamWriter,
+    requests: list[str] | None = None, statuses: list[str] | None = None,
 ) -> None:
-    await asyncio.gather(_pipe(client_r, up_w), _pipe(up_r, client_w))
+    await asyncio.gather(_pipe(client_r, up_w, requests, _REQUEST_LINE),
+                         _pipe(up_r, client_w, statuses, _STATUS_LINE))
 
 
 class Bridge:
     """The outside half: a Unix socket whose connections are forwarded to 127.0.0.1:``port``.
 
-    Runs its own event loop in a daemon thread; ``connections`` counts what came through, so a
-    test can tell that a client really used the bridge.
+    Runs its own event loop in a daemon thread; ``connections`` counts what came through, and
+    ``requests`` / ``statuses`` list the HTTP request lines and response codes that crossed it, so
+    a test can show what a client sent and what it got.
     """
 
     def __init__(self, socket_path: Path, port: int) -> None:
         self.socket_path = socket_path
         self.port = port
         self.connections = 0
+        self.requests: list[str] = []
+        self.statuses: list[str] = []
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.AbstractServer | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -87,7 +104,7 @@ class Bridge:
         except OSError:
             w.close()
             return
-        await _splice(r, w, up_r, up_w)
+        await _splice(r, w, up_r, up_w, self.requests, self.statuses)
 
     def __enter__(self) -> Bridge:
         self._thread.start()
@@ -119,10 +136,10 @@ def netns_command(socket_path: Path, port: int, argv: Sequence[str]) -> list[str
 def run_isolated(
     argv: Sequence[str], *, port: int, workdir: Path, env: dict[str, str], timeout: float,
     stdin: str | None = None,
-) -> tuple[subprocess.CompletedProcess[str], int]:
+) -> tuple[subprocess.CompletedProcess[str], Bridge]:
     """Run ``argv`` in its own network namespace that reaches only 127.0.0.1:``port``.
 
-    Returns the finished process and how many connections crossed the bridge.
+    Returns the finished process and the bridge (its connections, request lines and statuses).
     """
     socket_path = workdir / "bridge.sock"
     socket_path.unlink(missing_ok=True)
@@ -132,7 +149,7 @@ def run_isolated(
             netns_command(socket_path, port, argv), cwd=workdir, env=full_env, input=stdin,
             capture_output=True, text=True, timeout=timeout,
         )
-        return proc, bridge.connections
+    return proc, bridge
 
 
 # ---- the inside half (runs in the namespace) --------------------------------------------------
