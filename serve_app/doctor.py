@@ -20,13 +20,15 @@ from urllib.parse import urlsplit
 
 import httpx
 
-# The README's troubleshooting rows, named so a failure points at the row that explains it.
-ROW_CONNECT = "connection refused / local proxy failed"
-ROW_BASE_URL = "404 Unknown path (base URL)"
+# The troubleshooting rows (README and docs/CLIENTS.md), so a failure points at the row that
+# explains it.
+ROW_CONNECT = "connection refused"
+ROW_PROXY = "local proxy failed"
+ROW_BASE_URL = "404 Unknown path on every request"
 ROW_KEY = "401 invalid_api_key"
 ROW_CHOICES = "Error reading choices"
 ROW_CLIENT_API = "404 on /v1/responses or /v1/messages"
-ROW_CACHE = "no prefix-cache hits (cached_tokens 0)"
+ROW_CACHE = "no prefix-cache hits"
 
 CONNECT_TIMEOUT_S = 3.0
 REQUEST_TIMEOUT_S = 60.0
@@ -49,7 +51,7 @@ class Result:
         if not self.ok and self.fix:
             out.append(f"  {'':5} {'':16} fix: {self.fix}")
             if self.row:
-                out.append(f"  {'':5} {'':16} (README troubleshooting: \"{self.row}\")")
+                out.append(f"  {'':5} {'':16} (troubleshooting: \"{self.row}\")")
         return out
 
 
@@ -294,7 +296,7 @@ class Doctor:
         if problem:
             host = urlsplit(self.target.root).hostname
             return Result("proxy variables", False, problem,
-                          f"export NO_PROXY={host},localhost,127.0.0.1 (and no_proxy)", ROW_CONNECT)
+                          f"export NO_PROXY={host},localhost,127.0.0.1 (and no_proxy)", ROW_PROXY)
         return Result("proxy variables", True, "no proxy variable redirects the gateway's URL")
 
     def check_server(self) -> Result:
@@ -308,7 +310,7 @@ class Doctor:
         ok, detail, fix = diagnose_health(resp.status_code, self._json(resp))
         ms = (time.monotonic() - t0) * 1000
         return Result("server", ok, f"{detail} at {self.target.root} ({ms:.0f} ms)", fix,
-                      ROW_CONNECT)
+                      ROW_PROXY)
 
     def check_base_url(self, server_ok: bool) -> Result:
         fix = f"use --base-url {self.target.base} (OpenAI clients and Codex: with /v1; " \

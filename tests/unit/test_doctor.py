@@ -296,4 +296,4 @@ def test_proxy_variable_fails_the_run() -> None:
     assert proxy.name == "proxy variables" and not proxy.ok
     assert "NO_PROXY=gw" in proxy.fix
     lines.extend(proxy.lines())
-    assert "local proxy failed" in "\n".join(lines)
+    assert 'troubleshooting: "local proxy failed"' in "\n".join(lines)
