@@ -158,3 +158,27 @@ def test_claude_print(stack: Any, tmp_path: Path) -> None:
     assert any(r.startswith("POST /v1/messages") for r in bridge.requests)
     assert "404" not in bridge.statuses and "401" not in bridge.statuses
     assert usage["requests"] >= 1 and usage["completion_tokens"] > 0
+
+
+def test_cline(stack: Any, tmp_path: Path) -> None:
+    """docs/CLIENTS.md's Cline CLI recipe: an OpenAI-compatible provider at the /v1 base URL. The
+    hub daemon Cline starts is killed with the namespace (tests/integration/agents.py)."""
+    if not (CLIENTS_BIN / "cline").exists():
+        pytest.skip("cline is not installed: run `make clients`")
+    secret = _agent_key(stack, "agent-cline")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"PATH": f"{CLIENTS_BIN}:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home)}
+    script = (f"cline auth -p openai -k {secret} -m tiny-chat -b {stack.base_url} "
+              "&& cline --json -t 300 'Say hello in one word.'")
+    proc, bridge = run_isolated(["sh", "-c", script], port=_port(stack), workdir=tmp_path,
+                                env=env, timeout=TIMEOUT_S, stdin="")
+    usage = _usage(stack, secret)
+    _report("cline", proc, bridge, usage)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "POST /v1/chat/completions" in bridge.requests
+    assert "404" not in bridge.statuses and "401" not in bridge.statuses
+    result = [json.loads(ln) for ln in proc.stdout.splitlines()
+              if ln.startswith("{") and '"run_result"' in ln]
+    assert result and result[-1]["finishReason"] != "error", result
+    assert usage["requests"] >= 1 and usage["completion_tokens"] > 0
