@@ -3,10 +3,20 @@ envelope on the Messages API routes, the stateless Responses API, the root probe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 from serve_app.protocol import ENDPOINTS
-from tests.unit.test_api import Env, _error, env  # noqa: F401 - env is a fixture
+from tests.unit.test_api import Env, _error
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[Env]:
+    e = Env(tmp_path)
+    with e.client:
+        yield e
 
 MSG = {"model": "tiny-chat", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
 

@@ -3,11 +3,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 from starlette.datastructures import Headers
 
 from serve_app.gateway.auth import request_key
-from tests.unit.test_api import CHAT, Env, _error, env  # noqa: F401 - env is a fixture
+from tests.unit.test_api import CHAT, Env, _error
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[Env]:
+    e = Env(tmp_path)
+    with e.client:
+        yield e
 
 
 @pytest.mark.parametrize(
