@@ -71,3 +71,34 @@ def test_responses_events_become_sse() -> None:
 
     assert _sse(Event()) == 'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n'
     assert _sse("data: [DONE]\n\n") == "data: [DONE]\n\n"
+
+
+def test_messages_conversion_gets_the_gateways_priority_and_id() -> None:
+    """vLLM's Anthropic serving converts each Messages request into a chat request that keeps
+    neither priority nor request id; the wrapped serving applies them to the converted one."""
+    import asyncio
+
+    from serve_app.engine.server import EngineServer, current_overrides
+
+    class FakeAnthropicServing:
+        async def create_chat_completion(self, request: _Chat, raw_request: object = None) -> _Chat:
+            return request
+
+        async def create_messages(self, request: object, raw_request: object = None) -> _Chat:
+            converted = _Chat()  # what the conversion builds: defaults only
+            return await self.create_chat_completion(converted, raw_request)
+
+    serving = FakeAnthropicServing()
+    EngineServer._apply_after_conversion(serving)
+
+    async def one() -> _Chat:
+        token = current_overrides.set(Overrides(priority=10, request_id="req-9", cache_salt="s"))
+        try:
+            return await serving.create_messages(object())
+        finally:
+            current_overrides.reset(token)
+
+    chat = asyncio.run(one())
+    assert (chat.priority, chat.request_id, chat.cache_salt) == (10, "req-9", "s")
+    untouched = asyncio.run(serving.create_messages(object()))  # no request context: defaults
+    assert (untouched.priority, untouched.request_id) == (0, "x")
