@@ -437,7 +437,7 @@ class Doctor:
         sooner. The shared prefix starts with a fresh nonce, so the first one is surely cold."""
         model = self.chat_models[0]
         nonce = uuid.uuid4().hex
-        prefix = f"Session {nonce}. " + "Read the notes below and answer briefly. " * 300
+        prefix = f"Session {nonce}. " + "Read the notes below and answer briefly. " * 150
 
         def ask(tail: str) -> tuple[float, int]:
             return self._ttft(model, [{"role": "system", "content": prefix},
