@@ -204,16 +204,3 @@ def anthropic_sse_error(exc: ServeAppError) -> bytes:
     _, body, _ = anthropic_error(exc)
     return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
 
-
-def from_openai_body(status: int, body: Any) -> ServeAppError:
-    """Rebuild the error behind an OpenAI-shaped error body (one a model replica answered), so it
-    can be rendered in another dialect. Anything unparsable becomes a plain error for ``status``."""
-    err = body.get("error") if isinstance(body, dict) else None
-    if not isinstance(err, dict):
-        return for_status(status)("The model replica returned an error.")
-    message = str(err.get("message") or "error")
-    param = err.get("param") if isinstance(err.get("param"), str) else None
-    code = err.get("code") if isinstance(err.get("code"), str) else None
-    if code == ContextLengthExceeded.code:
-        return ContextLengthExceeded(message, param=param)
-    return for_status(status)(message, param=param, code=code)

@@ -83,18 +83,3 @@ def test_sse_error_event() -> None:
         "type": "error", "error": {"type": "overloaded_error", "message": "engine gone"}}
     assert raw.endswith(b"\n\n")
 
-
-def test_from_openai_body_round_trip() -> None:
-    original = errors.ContextLengthExceeded("maximum context length is 2048", param="messages")
-    rebuilt = errors.from_openai_body(400, original.to_body())
-    assert isinstance(rebuilt, errors.ContextLengthExceeded)
-    assert rebuilt.to_body() == original.to_body()
-    missing = errors.from_openai_body(404, errors.ModelNotFound("no such model").to_body())
-    assert missing.status == 404 and missing.message == "no such model"
-
-
-@pytest.mark.parametrize("body", [None, [], {"detail": "x"}, {"error": "flat string"}])
-def test_from_openai_body_unparsable(body: object) -> None:
-    exc = errors.from_openai_body(502, body)
-    assert exc.status == 500 and "error" in exc.message
-    assert errors.from_openai_body(429, body).status == 429
