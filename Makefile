@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint unit integration bench bench-smoke clean
+.PHONY: install clients run test lint unit integration bench bench-smoke clean
 
 install: $(STAMP)
 
@@ -12,10 +12,14 @@ $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV) $(PYTHON)
 	touch $(STAMP)
 
+# The pinned agent CLIs (Codex, Claude Code, Cline) for the real-client tests, into .clients/.
+clients:
+	bash scripts/install-clients.sh
+
 run: install
 	$(PY) -m serve_app.cli run --config configs/local.yaml
 
-test: install lint
+test: install lint clients
 	$(PY) -m pytest tests
 
 # Type errors and lint findings fail `make test` (and so CI) before the suite runs.
@@ -26,7 +30,7 @@ lint: install
 unit: install
 	$(PY) -m pytest tests/unit
 
-integration: install
+integration: install clients
 	$(PY) -m pytest tests/integration
 
 bench: install

@@ -359,6 +359,17 @@ def cmd_diagnose(ns: argparse.Namespace) -> int:
     return 0
 
 
+# ---- doctor -------------------------------------------------------------------------------------
+def cmd_doctor(ns: argparse.Namespace) -> int:
+    from serve_app import doctor
+
+    key = ns.api_key or os.environ.get("OPENAI_API_KEY", "")
+    if not key:
+        print("error: pass --api-key or set OPENAI_API_KEY", file=sys.stderr)
+        return 2
+    return doctor.run(ns.base_url, key)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="serve-app", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -431,6 +442,12 @@ def main(argv: list[str] | None = None) -> int:
 
     dg = sub.add_parser("diagnose", help="status of the running app and its gateway replica")
     dg.set_defaults(func=cmd_diagnose)
+
+    dr = sub.add_parser("doctor", help="check a running gateway as a client sees it, and name fixes")
+    dr.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1"),
+                    help="the gateway's base URL, with /v1 (default: OPENAI_BASE_URL)")
+    dr.add_argument("--api-key", help="the key to check (default: OPENAI_API_KEY)")
+    dr.set_defaults(func=cmd_doctor)
 
     ns = p.parse_args(argv)
     return int(ns.func(ns))

@@ -1,11 +1,14 @@
 """One exception hierarchy. Each class knows its HTTP status and its OpenAI error type and code.
 
-Every error that reaches a client is rendered from one of these by ``to_body``, so the JSON shape
-``{"error": {"message", "type", "param", "code"}}`` is produced in exactly one place.
+Every error that reaches a client is rendered from one of these, in exactly one place per dialect:
+``to_body`` gives OpenAI's ``{"error": {"message", "type", "param", "code"}}``, and
+``anthropic_error`` gives Anthropic's ``{"type": "error", "error": {"type", "message"}}`` (the
+Messages API routes).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -147,3 +150,57 @@ def for_status(status: int) -> type[ServeAppError]:
     if status in _BY_STATUS:
         return _BY_STATUS[status]
     return InvalidRequest if 400 <= status < 500 else InternalError
+
+
+# ---- Anthropic's envelope ------------------------------------------------------------------------
+# The Messages API routes (/v1/messages, /v1/messages/count_tokens) answer in Anthropic's dialect,
+# so that Anthropic SDKs and Claude Code read the error type and retry the way they do upstream.
+ANTHROPIC_OVERLOADED_STATUS = 529  # Anthropic's "overloaded" status; its clients back off and retry
+
+_ANTHROPIC_TYPE: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+# Claude Code recognises a too-long prompt by this wording and then offers to compact the
+# conversation; any other message is shown as a plain API error.
+PROMPT_TOO_LONG = "prompt is too long"
+
+
+def anthropic_error(exc: ServeAppError) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """``exc`` as Anthropic renders it: (status, ``{"type": "error", "error": {...}}``, headers).
+
+    503 (overload, shedding, a model not ready) becomes 529 ``overloaded_error``; it always keeps
+    a ``retry-after`` header. A context-length error reads "prompt is too long: ...".
+    """
+    status = exc.status
+    type_ = _ANTHROPIC_TYPE.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    headers = dict(exc.headers)
+    if status == 503:
+        status = ANTHROPIC_OVERLOADED_STATUS
+        if not any(h.lower() == "retry-after" for h in headers):
+            headers["Retry-After"] = "1"
+    message = exc.message
+    if isinstance(exc, ContextLengthExceeded) and PROMPT_TOO_LONG not in message.lower():
+        message = f"{PROMPT_TOO_LONG}: {message}"
+    return status, anthropic_body(message, type_), headers
+
+
+def anthropic_body(message: str, type_: str) -> dict[str, Any]:
+    """The Anthropic error envelope."""
+    return {"type": "error", "error": {"type": type_, "message": message}}
+
+
+def anthropic_sse_error(exc: ServeAppError) -> bytes:
+    """An ``error`` event that ends an Anthropic stream which has already started (status 200)."""
+    _, body, _ = anthropic_error(exc)
+    return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+

@@ -18,9 +18,12 @@ it received: the engine's own count, never an estimate from the number of events
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, TypedDict
+
+from serve_app import errors
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -59,8 +62,47 @@ ENDPOINTS: dict[str, Endpoint] = {
             "vllm.entrypoints.pooling.embed.protocol:EmbeddingRequest",
             "serving_embedding", "__call__",
         ),
+        # OpenAI's Responses API (Codex). Stateless: its route refuses server-side state.
+        Endpoint(
+            "responses", "/v1/responses", "generate", "input",
+            "vllm.entrypoints.openai.responses.protocol:ResponsesRequest",
+            "openai_serving_responses", "create_responses",
+        ),
+        # Anthropic's Messages API (Claude Code), errors in Anthropic's envelope.
+        Endpoint(
+            "messages", "/v1/messages", "generate", "messages",
+            "vllm.entrypoints.anthropic.protocol:AnthropicMessagesRequest",
+            "anthropic_serving_messages", "create_messages", dialect="anthropic",
+        ),
+        Endpoint(
+            "count_tokens", "/v1/messages/count_tokens", "generate", "messages",
+            "vllm.entrypoints.anthropic.protocol:AnthropicCountTokensRequest",
+            "anthropic_serving_messages", "count_tokens", dialect="anthropic",
+        ),
+        # What `vllm serve` also has: tokenizer round trips, and scoring on embedding models.
+        Endpoint(
+            "tokenize", "/tokenize", "generate", "prompt",
+            "vllm.entrypoints.serve.tokenize.protocol:TokenizeRequest",
+            "serving_tokenization", "create_tokenize",
+        ),
+        Endpoint(
+            "detokenize", "/detokenize", "generate", "tokens",
+            "vllm.entrypoints.serve.tokenize.protocol:DetokenizeRequest",
+            "serving_tokenization", "create_detokenize",
+        ),
+        Endpoint(
+            "score", "/v1/score", "embed", "text_1",
+            "vllm.entrypoints.pooling.scoring.protocol:ScoreRequest",
+            "serving_scores", "__call__",
+        ),
+        Endpoint(
+            "rerank", "/v1/rerank", "embed", "documents",
+            "vllm.entrypoints.pooling.scoring.protocol:RerankRequest",
+            "serving_scores", "__call__",
+        ),
     )
 }
+ANTHROPIC_PATHS = frozenset(e.path for e in ENDPOINTS.values() if e.dialect == "anthropic")
 
 
 @dataclass(frozen=True)
@@ -127,10 +169,32 @@ def tokens_of(prompt_tokens: int, completion_tokens: int) -> Tokens:
 
 
 def usage_tokens(usage: Any) -> Tokens | None:
-    """The token counts of an OpenAI ``usage`` object (a dict), or None if it has none."""
+    """The token counts of a ``usage`` object (a dict; OpenAI's prompt/completion names, or the
+    Responses and Anthropic APIs' input/output names), or None if it has none."""
     if not isinstance(usage, dict):
         return None
-    return tokens_of(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens"))
+    return tokens_of(int(prompt or 0), int(completion or 0))
+
+
+def render_error(endpoint: Endpoint | None, exc: errors.ServeAppError) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, body, headers) of an error in the endpoint's dialect (OpenAI's when None)."""
+    if endpoint is not None and endpoint.dialect == "anthropic":
+        return errors.anthropic_error(exc)
+    return exc.status, exc.to_body(), dict(exc.headers)
+
+
+def stream_error(endpoint: Endpoint | None, exc: errors.ServeAppError) -> bytes:
+    """The event that ends a stream that already started, in the endpoint's own stream format:
+    Anthropic's ``error`` event, the Responses API's ``error`` event, or OpenAI's chat/completions
+    ``data: {"error": ...}`` followed by ``[DONE]``."""
+    if endpoint is not None and endpoint.dialect == "anthropic":
+        return errors.anthropic_sse_error(exc)
+    if endpoint is not None and endpoint.name == "responses":
+        event = {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
+    return sse_event(json.dumps(exc.to_body()).encode()) + SSE_DONE
 
 
 def sse_event(payload: bytes) -> bytes:

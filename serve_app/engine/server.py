@@ -16,6 +16,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -27,13 +28,13 @@ from serve_app.engine.clients import EngineClient, TokenMeter, current_meter
 from serve_app.engine.pacing import PacedEngineClient
 from serve_app.engine.slots import GatedEngineClient, SlotGate
 from serve_app.protocol import (
-    SSE_DONE,
     Endpoint,
     Head,
     RequestContext,
     Trailer,
     head,
-    sse_event,
+    render_error,
+    stream_error,
     tokens_of,
     trailer,
     usage_tokens,
@@ -84,8 +85,43 @@ def _usage_of(event: str) -> dict[str, Any] | None:
         return None
 
 
-def _error_item(exc: errors.ServeAppError) -> Head:
-    return head(exc.status, json.dumps(exc.to_body()).encode())
+def _error_item(exc: errors.ServeAppError, endpoint: Endpoint | None = None) -> Head:
+    """An error answer, in the endpoint's dialect (Anthropic's envelope on the Messages API)."""
+    status, body, _ = render_error(endpoint, exc)
+    return head(status, json.dumps(body).encode())
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """What the gateway decided for a request, applied to the request vLLM finally schedules."""
+
+    priority: int | None
+    request_id: str
+    cache_salt: str | None
+
+    def apply(self, request: Any) -> None:
+        if self.priority is not None and hasattr(request, "priority"):
+            request.priority = self.priority
+        if hasattr(request, "request_id"):
+            request.request_id = self.request_id
+        if self.cache_salt is not None and hasattr(request, "cache_salt"):
+            request.cache_salt = self.cache_salt
+
+
+# Set for the duration of one request: vLLM's Anthropic serving converts a Messages request into a
+# chat request and drops its priority and request id on the way, so they are applied to the
+# converted request (see ``EngineServer._apply_after_conversion``).
+current_overrides: contextvars.ContextVar[Overrides | None] = contextvars.ContextVar(
+    "current_overrides", default=None
+)
+
+
+def _sse(event: Any) -> str:
+    """vLLM's Responses stream yields event objects; its own router frames them as SSE."""
+    if isinstance(event, str):
+        return event
+    kind = getattr(event, "type", "unknown")
+    return f"event: {kind}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n"
 
 
 class EngineServer:
@@ -130,6 +166,7 @@ class EngineServer:
         # generate call they make goes through the slot gate and the pacing.
         client: Any = self._engine_client(vllm_config.scheduler_config.max_num_seqs)
         await init_app_state(client, self.state, args, supported_tasks=tasks)
+        self._apply_after_conversion(getattr(self.state, "anthropic_serving_messages", None))
         self.max_model_len = vllm_config.model_config.max_model_len
         # vLLM reads its settings from os.environ on every access (several per streamed chunk);
         # its engine and worker processes cache them once started, and so does this replica.
@@ -141,6 +178,22 @@ class EngineServer:
             "Engine for %s ready in %.1f s (tasks %s, max_model_len %d)",
             self.cfg.id, time.monotonic() - t0, tasks, self.max_model_len,
         )
+
+    @staticmethod
+    def _apply_after_conversion(serving: Any) -> None:
+        """Make vLLM's Anthropic serving apply the request's overrides to the chat request it
+        converts each Messages request into (the conversion keeps neither priority nor id)."""
+        if serving is None:
+            return
+        create = serving.create_chat_completion
+
+        async def create_chat_completion(request: Any, raw_request: Any = None) -> Any:
+            overrides = current_overrides.get()
+            if overrides is not None:
+                overrides.apply(request)
+            return await create(request, raw_request)
+
+        serving.create_chat_completion = create_chat_completion
 
     def _engine_client(self, max_num_seqs: int) -> EngineClient:
         """The chain vLLM's serving layer calls: pacing, then the slot gate, then the engine."""
@@ -179,29 +232,34 @@ class EngineServer:
                 f"model {self.cfg.id!r} is a {self.cfg.task} model and does not serve "
                 f"{endpoint.path}",
                 param="model",
-            ))
+            ), endpoint)
             return
         meter = TokenMeter()
         token = current_meter.set(meter)
+        overrides = self._overrides(ctx)
+        set_overrides = current_overrides.set(overrides)
         try:
             request, wants_usage = self._prepare(endpoint, body, ctx)
+            overrides.apply(request)
             call = getattr(serving, endpoint.handler)
             result = await asyncio.wait_for(call(request, raw_request=None), ctx.remaining_s(600.0))
         except ValidationError as exc:
-            yield _error_item(_validation_error(exc))
+            yield _error_item(_validation_error(exc), endpoint)
             return
         except TimeoutError:
-            yield _error_item(errors.GatewayTimeout(f"the {endpoint.name} request timed out"))
+            yield _error_item(errors.GatewayTimeout(f"the {endpoint.name} request timed out"),
+                              endpoint)
             return
         except Exception as exc:  # vLLM raises for bad input (too long, empty, ...)
-            yield _error_item(self._map_exception(exc, endpoint.main_param))
+            yield _error_item(self._map_exception(exc, endpoint.main_param), endpoint)
             return
         finally:
             current_meter.reset(token)
+            current_overrides.reset(set_overrides)
 
         if isinstance(result, AsyncIterator):
             try:
-                async for item in self._coalesce(result, wants_usage, meter):
+                async for item in self._coalesce(result, wants_usage, meter, endpoint, overrides):
                     yield item
             finally:  # however the stream ended, even cancelled by a client that went away
                 self.streamed_tokens += meter.completion_tokens
@@ -212,9 +270,10 @@ class EngineServer:
     def _complete(self, result: Any, endpoint: Endpoint) -> Head:
         """The head of a complete answer: vLLM's error, starlette response or response model."""
         error = getattr(result, "error", None)
-        if error is not None:
+        if error is not None and isinstance(getattr(error, "code", None), int):  # vLLM's ErrorResponse
             return _error_item(
-                to_openai_error(int(error.code), error.message, error.param, endpoint.main_param)
+                to_openai_error(int(error.code), error.message, error.param, endpoint.main_param),
+                endpoint,
             )
         if hasattr(result, "status_code"):  # a starlette Response (the pooling endpoints)
             data = bytes(result.body)
@@ -222,8 +281,13 @@ class EngineServer:
             return head(result.status_code, data,
                         tokens=usage_tokens(json.loads(data).get("usage")) if ok else None)
         usage = result.usage.model_dump() if getattr(result, "usage", None) else None
-        return head(200, result.model_dump_json(exclude_unset=False).encode(),
-                    tokens=usage_tokens(usage))
+        # As vLLM's own routers dump them: Anthropic's without nulls, the Responses API's by alias.
+        dump: dict[str, Any] = {"exclude_unset": False}
+        if endpoint.dialect == "anthropic":
+            dump = {"exclude_none": True}
+        elif endpoint.name == "responses":
+            dump["by_alias"] = True
+        return head(200, result.model_dump_json(**dump).encode(), tokens=usage_tokens(usage))
 
     def _map_exception(self, exc: Exception, main_param: str = "messages") -> errors.ServeAppError:
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
@@ -235,16 +299,22 @@ class EngineServer:
             logger.exception("unmapped engine error for %s", self.cfg.id)
             return errors.InternalError("the engine failed to process the request")
 
+    def _overrides(self, ctx: RequestContext) -> Overrides:
+        """The gateway's decisions, as vLLM request fields: the tier's priority (only under the
+        priority scheduler, which alone accepts one), the request id, the tenant's cache salt."""
+        priority = ctx.priority if self.cfg.engine.scheduling_policy == "priority" else None
+        salt = hashlib.sha256(ctx.tenant.encode()).hexdigest()[:32] if ctx.tenant else None
+        return Overrides(priority, ctx.request_id, salt)
+
     def _prepare(self, endpoint: Endpoint, body: dict[str, Any], ctx: RequestContext) -> tuple[Any, bool]:
-        """vLLM's request object, and whether the client asked for the stream's usage chunk."""
+        """vLLM's request object, and whether the client asked for the stream's usage chunk.
+
+        The gateway's priority, request id and cache salt are applied after validation, to the
+        fields the request type has (``Overrides.apply``), so a client cannot set its own."""
         body = dict(body)
         body["model"] = self.cfg.id  # the gateway resolved aliases; vLLM knows only the id
         wants_usage = True
-        if endpoint.task == "generate":
-            if self.cfg.engine.scheduling_policy == "priority":
-                body["priority"] = ctx.priority
-            if ctx.tenant:
-                body["cache_salt"] = hashlib.sha256(ctx.tenant.encode()).hexdigest()[:32]
+        if endpoint.name in ("chat", "completions"):
             if body.get("stream") is True:
                 opts = body.get("stream_options")
                 opts = dict(opts) if isinstance(opts, dict) else {}
@@ -253,12 +323,11 @@ class EngineServer:
                 opts["include_usage"] = True
                 body["stream_options"] = opts
         request = request_adapter(endpoint.request_type).validate_python(body)
-        if hasattr(request, "request_id"):
-            request.request_id = ctx.request_id
         return request, wants_usage
 
     async def _coalesce(
-        self, chunks: AsyncIterator[str], wants_usage: bool = True, meter: TokenMeter | None = None
+        self, chunks: AsyncIterator[Any], wants_usage: bool = True, meter: TokenMeter | None = None,
+        endpoint: Endpoint | None = None, overrides: Overrides | None = None,
     ) -> AsyncIterator[Head | tuple[bytes, int] | Trailer]:
         """Relay vLLM's SSE strings as few messages: whatever is ready goes out as one.
 
@@ -277,7 +346,7 @@ class EngineServer:
         async def pump() -> None:
             try:
                 async for chunk in chunks:
-                    queue.put_nowait(chunk)
+                    queue.put_nowait(_sse(chunk))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # surfaced to the client as an SSE error event
@@ -289,6 +358,7 @@ class EngineServer:
         # pump runs with this request's meter set (tasks vLLM starts from there inherit it).
         context = contextvars.copy_context()
         context.run(current_meter.set, meter)
+        context.run(current_overrides.set, overrides)
         task = asyncio.create_task(pump(), context=context)
         first = True
         usage: dict[str, Any] | None = None
@@ -302,8 +372,7 @@ class EngineServer:
                         done = True
                         break
                     if isinstance(item, errors.ServeAppError):
-                        parts.append(sse_event(json.dumps(item.to_body()).encode()))
-                        parts.append(SSE_DONE)
+                        parts.append(stream_error(endpoint, item))
                         done = True
                         break
                     if '"usage":{' in item and '"choices":[]' in item:

@@ -7,6 +7,7 @@ The text it produces is gibberish, but every request runs through real vLLM infe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -17,8 +18,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# Bump when the recipe changes, so an old cached build is not reused.
-RECIPE_VERSION = "1"
+# Bump when the recipe changes, so an old cached build is not reused (the chat template is also
+# checked by its digest, so a template edit alone rebuilds too).
+RECIPE_VERSION = "2"
 MARKER = "tiny-model.json"
 
 # head_dim = hidden / heads = 64: the CPU attention kernel rejects 16 but accepts 64.
@@ -28,16 +30,63 @@ KV_HEADS = 1
 LAYERS = 2
 INTERMEDIATE = 256
 VOCAB = 1024
-MAX_POSITIONS = 2048
+# Agents' first requests are long (Claude Code's is about 36k tokens in this tokenizer, Codex's
+# about 29k), so the context is 64k. Llama's positions are rotary: the weights do not depend on it.
+MAX_POSITIONS = 65536
 SEED = 1234
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+# ChatML with tools rendered the Hermes way (as Qwen2.5 and NousResearch's Hermes models do), so
+# vLLM's `hermes` tool parser matches it: the tool signatures go into the system turn inside
+# <tools></tools>, an assistant's calls are <tool_call>{"name", "arguments"}</tool_call>, and tool
+# results come back as <tool_response> in a user turn. The model is random, so it rarely emits a
+# call itself; what this buys is that agents' tool requests (tool_choice "auto") are accepted.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- macro text(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- elif content -%}{%- for part in content -%}"
+    "{%- if part is mapping and part.get('text') -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- set skip_first = tools and messages and messages[0]['role'] == 'system' -%}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\n' }}"
+    "{%- if skip_first -%}{{ text(messages[0]['content']) + '\n\n' }}{%- endif -%}"
+    "{{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n'"
+    " 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools -%}{{ '\n' + (tool | tojson) }}{%- endfor -%}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and '"
+    " 'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n'"
+    " '{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if loop.first and skip_first -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}"
+    "{{ '<|im_start|>user' }}{%- endif -%}"
+    "{{ '\n<tool_response>\n' + text(message['content']) + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}"
+    "{{ '<|im_end|>\n' }}{%- endif -%}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + text(message['content']) }}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- set fn = call['function'] if call.get('function') else call -%}"
+    "{{ '\n<tool_call>\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string -%}{{ fn['arguments'] }}"
+    "{%- else -%}{{ fn['arguments'] | tojson }}{%- endif -%}"
+    "{{ '}\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
 )
+
+
+def template_digest() -> str:
+    """A short digest of the chat template: a build with another template is rebuilt."""
+    return hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()[:16]
+
 
 _WORDS = (
     "the a an model engine token request stream batch queue latency throughput gateway key tier "
@@ -63,8 +112,9 @@ def is_built(path: Path) -> bool:
     if not marker.is_file():
         return False
     try:
-        return bool(json.loads(marker.read_text()).get("recipe") == RECIPE_VERSION)
-    except (OSError, ValueError):
+        info = json.loads(marker.read_text())
+        return bool(info.get("recipe") == RECIPE_VERSION and info.get("template") == template_digest())
+    except (OSError, ValueError, AttributeError):
         return False
 
 
@@ -123,7 +173,9 @@ def build_tiny_model(path: Path, *, force: bool = False) -> Path:
         )
         model = LlamaForCausalLM(config).to(torch.float32)
         model.save_pretrained(tmp, safe_serialization=True)
-        (tmp / MARKER).write_text(json.dumps({"recipe": RECIPE_VERSION, "seed": SEED}))
+        (tmp / MARKER).write_text(json.dumps(
+            {"recipe": RECIPE_VERSION, "seed": SEED, "template": template_digest()}
+        ))
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

@@ -53,7 +53,8 @@ def _fmt_reset(seconds: float) -> str:
 
 
 def _requested_max_tokens(body: dict[str, Any]) -> Any:
-    for name in ("max_completion_tokens", "max_tokens"):
+    # Chat's two names, and the Responses API's (the Messages API uses max_tokens).
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
         if body.get(name) is not None:
             return name, body[name]
     return "max_tokens", None
@@ -70,6 +71,7 @@ class Admission:
             m.id: m.admission.saturation_requests for m in cfg.models
         }
         self._capacity = {m.id: m.deployment.capacity for m in cfg.models}
+        self._context = {m.id: m.engine.max_model_len for m in cfg.models}
 
     def tier(self, key: KeyRecord) -> TierConfig:
         return self.cfg.tiers.get(key.tier) or self.cfg.tiers[self.cfg.default_tier]
@@ -123,8 +125,15 @@ class Admission:
     ) -> Ticket:
         """Admit on the first of ``model_ids`` with room (the primary, then its fallback)."""
         completion = self.clamp_max_tokens(body, key)
-        reserve = completion + math.ceil(body_bytes / _BYTES_PER_TOKEN)
+        prompt = math.ceil(body_bytes / _BYTES_PER_TOKEN)
         model_id = self._take_slot(key, model_ids)
+        # The engine never makes more than the context left after the prompt (agents ask for
+        # 32k-64k max_tokens), so the reservation is clamped to it, and one turn does not take a
+        # minute's token budget. The prompt is only estimated here; the settlement corrects it.
+        context = self._context.get(model_id)
+        if context:
+            completion = min(completion, max(1, context - prompt))
+        reserve = completion + prompt
         try:
             return await self._charge(key, model_id, reserve, completion)
         except BaseException:

@@ -8,19 +8,19 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
-from serve_app.gateway.auth import bearer_token
+from serve_app.gateway.auth import request_key
 from serve_app.gateway.keys import KeyStore
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing import Route, Router
 from serve_app.gateway.usage import Usage
-from serve_app.protocol import ENDPOINTS, Endpoint
+from serve_app.protocol import ANTHROPIC_PATHS, ENDPOINTS, Endpoint, render_error
 
 logger = logging.getLogger("ray.serve")
 
@@ -51,10 +51,11 @@ def build_api(deps: GatewayDeps) -> FastAPI:
 
     async def authenticate(request: Request, d: GatewayDeps = Depends(get_deps)) -> KeyRecord:
         # async: FastAPI would run a sync dependency in a thread pool, a hop on every request.
-        token = bearer_token(request.headers.get("authorization"))
+        token = request_key(request.headers)
         if token is None:
             raise errors.AuthenticationFailed(
-                "Missing or malformed API key. Send the header 'Authorization: Bearer <key>'."
+                "Missing or malformed API key. Send the header 'Authorization: Bearer <key>' "
+                "or 'x-api-key: <key>'."
             )
         key = d.keys.lookup(token)
         if key is None:
@@ -93,12 +94,15 @@ def build_api(deps: GatewayDeps) -> FastAPI:
 
     def model_route(endpoint: Endpoint) -> Any:
         """The generic route of a model endpoint: read the JSON body, hand it to the pipeline."""
+        check = BODY_CHECKS.get(endpoint.name)
 
         async def route(
             request: Request, key: KeyRecord = Depends(authenticate),
             d: GatewayDeps = Depends(get_deps),
         ) -> Response:
             body, size = await read_json(request, d)
+            if check is not None:
+                check(body)
             return await d.pipeline.handle(key, endpoint, body, size)
 
         route.__name__ = endpoint.name
@@ -108,11 +112,18 @@ def build_api(deps: GatewayDeps) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    # Claude Code probes the root of ANTHROPIC_BASE_URL (HEAD /) before its first request.
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> dict[str, str]:
+        return {"status": "ok"}
+
     @app.get("/v1/models")
     async def list_models(
-        key: KeyRecord = Depends(authenticate), d: GatewayDeps = Depends(get_deps)
+        limit: int | None = Query(None, ge=1), key: KeyRecord = Depends(authenticate),
+        d: GatewayDeps = Depends(get_deps),
     ) -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(r) for r in d.router.visible(key)]}
+        cards = [_model_card(r) for r in d.router.visible(key)]
+        return {"object": "list", "data": cards[:limit] if limit else cards}
 
     @app.get("/v1/usage")
     async def usage(
@@ -145,37 +156,66 @@ def _model_card(route: Route) -> dict[str, Any]:
     }
 
 
-def error_response(exc: errors.ServeAppError) -> JSONResponse:
-    return JSONResponse(exc.to_body(), status_code=exc.status, headers=exc.headers)
+def _check_responses_body(body: dict[str, Any]) -> None:
+    """The gateway keeps no state between requests (and its replicas share none): refuse what
+    would need it, instead of vLLM answering from one replica's memory or not at all."""
+    if body.get("previous_response_id") is not None:
+        raise errors.InvalidRequest(
+            "previous_response_id is not supported: this gateway stores no responses; send the "
+            "whole conversation in 'input' (Codex does)", param="previous_response_id")
+    if body.get("store") is True:
+        raise errors.InvalidRequest(
+            "store: true is not supported: this gateway stores no responses; send store: false",
+            param="store")
+    if body.get("background") is True:
+        raise errors.InvalidRequest(
+            "background: true is not supported: it needs a stored response", param="background")
+
+
+# Checks of a body before it is admitted, by endpoint name.
+BODY_CHECKS = {"responses": _check_responses_body}
+
+
+def error_response(exc: errors.ServeAppError, request: Request | None = None) -> JSONResponse:
+    """The error in its route's dialect: Anthropic's envelope on the Messages API routes."""
+    endpoint = None
+    if request is not None and request.url.path in ANTHROPIC_PATHS:
+        endpoint = ENDPOINTS["messages"]
+    status, body, headers = render_error(endpoint, exc)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error leaves as ``{"error": {...}}`` with the right status; nothing leaks a traceback."""
+    """Every error leaves as ``{"error": {...}}`` (Anthropic's envelope on its routes) with the
+    right status; nothing leaks a traceback."""
 
-    async def on_app_error(_: Request, exc: Exception) -> Response:
+    async def on_app_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, errors.ServeAppError)
-        return error_response(exc)
+        return error_response(exc, request)
 
-    async def on_http_error(_: Request, exc: Exception) -> Response:
+    async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         cls = errors.for_status(exc.status_code)
         message = {404: "Unknown path.", 405: "Method not allowed for this path."}.get(
             exc.status_code, str(exc.detail)
         )
         err = cls(message, headers=dict(exc.headers or {}))  # keeps e.g. 405's Allow header
-        return error_response(err)
+        return error_response(err, request)
 
-    async def on_validation_error(_: Request, exc: Exception) -> Response:
+    async def on_validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
         return error_response(
-            errors.InvalidRequest(first.get("msg", "invalid request"), param=".".join(loc) or None)
+            errors.InvalidRequest(first.get("msg", "invalid request"), param=".".join(loc) or None),
+            request,
         )
 
-    async def on_unexpected(_: Request, exc: Exception) -> Response:
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("unexpected gateway error")
-        return error_response(errors.InternalError("The server had an error processing the request."))
+        return error_response(
+            errors.InternalError("The server had an error processing the request."), request
+        )
 
     app.add_exception_handler(errors.ServeAppError, on_app_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)

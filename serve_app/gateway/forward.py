@@ -4,13 +4,13 @@ The model answers with a head (status, stream flag, first bytes) and then, for a
 raw SSE bytes (relayed unparsed) and a trailer (see ``protocol``). A failure before the first byte
 raises an OpenAI-shaped error for the pipeline to close the request's ledger with; once an answer
 exists, this module closes the ledger when it ends. A failure after the first byte becomes a final
-``data: {"error": ...}`` event and ``[DONE]``, so a stream never just stops.
+error event in the endpoint's stream format (``protocol.stream_error``), so a stream never just
+stops.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -28,7 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from serve_app import errors
 from serve_app.config import GatewayConfig
 from serve_app.gateway.ledger import Ledger, Outcome
-from serve_app.protocol import SSE_DONE, Endpoint, Head, RequestContext, Tokens, sse_event, tokens_of
+from serve_app.protocol import Endpoint, Head, RequestContext, Tokens, stream_error, tokens_of
 
 logger = logging.getLogger("ray.serve")
 
@@ -74,7 +74,7 @@ class Forwarder:
         ttft = time.monotonic() - start
         if first["stream"]:
             return StreamingResponse(
-                self._relay(ledger, first, gen, start, ttft),
+                self._relay(ledger, endpoint, first, gen, start, ttft),
                 media_type="text/event-stream",
                 headers={**headers, **STREAM_HEADERS},
             )
@@ -110,7 +110,7 @@ class Forwarder:
             raise
 
     async def _relay(
-        self, ledger: Ledger, first: Head, gen: Any, start: float, ttft: float
+        self, ledger: Ledger, endpoint: Endpoint, first: Head, gen: Any, start: float, ttft: float
     ) -> AsyncIterator[bytes]:
         model_id = ledger.model_id
         finished = False
@@ -146,7 +146,7 @@ class Forwarder:
                 err = self._unavailable(model_id, "unavailable")
             gen.cancel()  # stop the model's work before telling the client
             finished = True
-            yield sse_event(json.dumps(err.to_body()).encode()) + SSE_DONE
+            yield stream_error(endpoint, err)
         finally:
             if not finished:
                 gen.cancel()

@@ -17,7 +17,7 @@ from loadtests.stack import Stack, StackError, start_stack
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 900
-MAX_MODEL_LEN = 2048  # as in configs/local.yaml
+MAX_MODEL_LEN = 65536  # as in configs/local.yaml: agents' prompts fit (tests/integration/test_agents_real.py)
 MAX_BODY_BYTES = 256 * 1024
 # The engine runs 4 sequences at once, so requests queue, and tier priority decides their order.
 MAX_NUM_SEQS = 4
@@ -45,7 +45,7 @@ def session_overrides(redis_url: str) -> Any:
         tiny = next(m for m in args["models"] if m["id"] == "tiny-chat")
         tiny["engine"].update(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
                               enable_prefix_caching=True)
-        tiny["frontend"] = {"enable_prompt_tokens_details": True}
+        tiny.setdefault("frontend", {})["enable_prompt_tokens_details"] = True  # keeps local.yaml's tools
         tiny["deployment"].update(max_ongoing_requests=MAX_ONGOING, max_queued_requests=MAX_QUEUED)
         tiny["admission"] = {"saturation_requests": SATURATION, "reserved_slots": RESERVED_SLOTS}
         # A second version of the chat model for the weighted split (A/B) and the fallback: a queue

@@ -75,7 +75,9 @@ def test_malformed_json_is_400(stack) -> None:
 def test_context_length_exceeded(stack) -> None:
     from tests.integration.conftest import MAX_MODEL_LEN
 
-    long = "token " * (MAX_MODEL_LEN * 2)
+    # Each CJK character is 3 byte-level tokens of tiny-chat's tokenizer: over the context in a
+    # body well under the gateway's size limit.
+    long = "\u4e2d" * (MAX_MODEL_LEN // 2)
     r = _post(stack, "/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": long}]})
     err = _error(r)
     assert r.status_code == 400 and err["code"] == "context_length_exceeded"

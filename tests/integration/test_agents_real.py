@@ -1,0 +1,184 @@
+"""The real coding agents, pinned (scripts/install-clients.sh puts them in .clients/), configured as
+docs/CLIENTS.md says, complete a prompt against the test stack.
+
+How no traffic leaves the machine: each CLI runs inside its own network namespace
+(``unshare --net``, tests/integration/agents.py) whose only interface is loopback, with the stack's
+port bridged in through a Unix socket. Vendor hosts do not resolve there, and telemetry is also
+turned off in each tool's own settings. Each agent gets a fresh HOME (and CODEX_HOME) and a key of
+its own, so the gateway's /v1/usage for that key counts exactly that agent's requests.
+
+The tiny model's text is random: these tests check the conversation (exit code 0, an answer printed,
+the requests the gateway served), not what the answer says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from serve_app.gateway.keys import create_key
+from tests.integration.agents import CLIENTS_BIN, can_unshare, run_isolated
+
+pytestmark = pytest.mark.integration
+
+TIMEOUT_S = 600  # a first agent turn prefills a ~30k-token prompt on a 2-core CPU
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _clients_available() -> None:
+    missing = [b for b in ("codex", "claude") if not (CLIENTS_BIN / b).exists()]
+    why = None
+    if missing:
+        why = f"agent CLIs not installed ({', '.join(missing)}): run `make clients`"
+    elif not can_unshare():
+        why = "cannot create a network namespace (needs root): the agents would reach the internet"
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+def _agent_key(stack: Any, name: str) -> str:
+    secret = create_key(stack.keys_file, name, "premium", ["*"])
+    time.sleep(2.5)  # gateways re-read the keys file within keys_reload_interval_s (1 s)
+    return secret
+
+
+def _usage(stack: Any, secret: str) -> dict[str, Any]:
+    """The key's /v1/usage once its requests are booked (the books close just after a stream)."""
+    usage: dict[str, Any] = {}
+    for _ in range(20):
+        usage = httpx.get(f"{stack.base_url}/usage", timeout=10,
+                          headers={"Authorization": f"Bearer {secret}"}).json()
+        if usage["requests"] > 0:
+            break
+        time.sleep(0.5)
+    return usage
+
+
+def _port(stack: Any) -> int:
+    port = httpx.URL(stack.base_url).port
+    assert port is not None
+    return port
+
+
+def _report(name: str, proc: Any, bridge: Any, usage: dict[str, Any]) -> None:
+    print(f"\n[{name}] exit {proc.returncode}; {bridge.connections} connections")
+    print(f"[{name}] requests: {bridge.requests}")
+    print(f"[{name}] statuses: {bridge.statuses}")
+    print(f"[{name}] usage: {json.dumps(usage)}")
+    print(f"[{name}] stdout: {proc.stdout[-600:]!r}")
+    print(f"[{name}] stderr: {proc.stderr[-1500:]!r}")
+
+
+def codex_config(base_url: str, model: str = "tiny-chat", context: int = 65536) -> str:
+    """docs/CLIENTS.md's Codex recipe (wire_api must be "responses"; the key is read from the
+    variable that env_key names)."""
+    return f'''model = "{model}"
+model_provider = "serve-app"
+model_context_window = {context}
+check_for_update_on_startup = false
+
+[analytics]
+enabled = false
+
+[feedback]
+enabled = false
+
+[model_providers.serve-app]
+name = "serve-app"
+base_url = "{base_url}"
+env_key = "SERVE_APP_API_KEY"
+wire_api = "responses"
+'''
+
+
+def test_codex_exec(stack: Any, tmp_path: Path) -> None:
+    secret = _agent_key(stack, "agent-codex")
+    codex_home = tmp_path / "codex-home"
+    codex_home.mkdir()
+    (codex_home / "config.toml").write_text(codex_config(stack.base_url))
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"PATH": f"{CLIENTS_BIN}:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home),
+           "CODEX_HOME": str(codex_home), "SERVE_APP_API_KEY": secret}
+    proc, bridge = run_isolated(
+        ["codex", "exec", "--skip-git-repo-check", "Say hello in one word."],
+        port=_port(stack), workdir=tmp_path, env=env, timeout=TIMEOUT_S, stdin="",
+    )
+    usage = _usage(stack, secret)
+    _report("codex", proc, bridge, usage)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "POST /v1/responses" in bridge.requests
+    assert "404" not in bridge.statuses and "401" not in bridge.statuses
+    assert usage["requests"] >= 1 and usage["completion_tokens"] > 0
+    assert usage["prompt_tokens"] > 5000  # Codex's instructions and tools reached the model
+
+
+def claude_env(root_url: str, home: Path, secret: str, model: str = "tiny-chat") -> dict[str, str]:
+    """docs/CLIENTS.md's Claude Code recipe: the base URL without /v1, the key as
+    ANTHROPIC_API_KEY (sent as x-api-key), every model alias on the served model, onboarding
+    marked done (so no OAuth login is attempted), telemetry and non-essential traffic off."""
+    (home / ".claude.json").write_text(json.dumps({"hasCompletedOnboarding": True}))
+    return {
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": root_url,
+        "ANTHROPIC_API_KEY": secret,
+        "ANTHROPIC_MODEL": model,
+        "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
+        "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+        "ANTHROPIC_SMALL_FAST_MODEL": model,
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    }
+
+
+def test_claude_print(stack: Any, tmp_path: Path) -> None:
+    secret = _agent_key(stack, "agent-claude")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"PATH": f"{CLIENTS_BIN}:/usr/bin:/bin:/usr/sbin:/sbin",
+           **claude_env(stack.root_url, home, secret)}
+    proc, bridge = run_isolated(
+        ["claude", "-p", "Say hello in one word.", "--model", "tiny-chat"],
+        port=_port(stack), workdir=tmp_path, env=env, timeout=TIMEOUT_S, stdin="",
+    )
+    usage = _usage(stack, secret)
+    _report("claude", proc, bridge, usage)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert any(r.startswith("POST /v1/messages") for r in bridge.requests)
+    assert "404" not in bridge.statuses and "401" not in bridge.statuses
+    assert usage["requests"] >= 1 and usage["completion_tokens"] > 0
+
+
+def test_cline(stack: Any, tmp_path: Path) -> None:
+    """docs/CLIENTS.md's Cline CLI recipe: an OpenAI-compatible provider at the /v1 base URL. The
+    hub daemon Cline starts is killed with the namespace (tests/integration/agents.py)."""
+    if not (CLIENTS_BIN / "cline").exists():
+        pytest.skip("cline is not installed: run `make clients`")
+    secret = _agent_key(stack, "agent-cline")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"PATH": f"{CLIENTS_BIN}:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home)}
+    script = (f"cline auth -p openai -k {secret} -m tiny-chat -b {stack.base_url} "
+              "&& cline --json -t 300 'Say hello in one word.'")
+    proc, bridge = run_isolated(["sh", "-c", script], port=_port(stack), workdir=tmp_path,
+                                env=env, timeout=TIMEOUT_S, stdin="")
+    usage = _usage(stack, secret)
+    _report("cline", proc, bridge, usage)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "POST /v1/chat/completions" in bridge.requests
+    assert "404" not in bridge.statuses and "401" not in bridge.statuses
+    result = [json.loads(ln) for ln in proc.stdout.splitlines()
+              if ln.startswith("{") and '"run_result"' in ln]
+    assert result and result[-1]["finishReason"] != "error", result
+    assert usage["requests"] >= 1 and usage["completion_tokens"] > 0
