@@ -18,27 +18,107 @@ Ray nodes' environment.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import stat
 from pathlib import Path
 
 MODES = ("haproxy", "proxy")
+GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+GRPC_ENV = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MAX_MESSAGE_BYTES)}
 
 # Ray Serve's HAProxy template binds the stats and metrics listeners as "bind *:PORT" / "bind :PORT",
 # which is every interface. The wrapper pins each wildcard bind to the stack's host before HAProxy
-# reads the file (Ray passes the file with -f on every start and reload).
+# reads the file (Ray passes the file with -f on every start and reload), and adds what makes every
+# answer of the front door OpenAI-shaped JSON (``write_error_files``):
+# Ray's template has no hook for error files, request timeouts or method rules.
+MARK = "# serve-app: OpenAI-shaped front door"
 _WRAPPER = """#!/bin/sh
-# Written by serve-app run (serve_app/front_door.py): keep HAProxy's listeners on {host}.
+# Written by serve-app run (serve_app/front_door.py): keep HAProxy's listeners on {host}, and give
+# every answer HAProxy makes itself in the OpenAI shape.
 prev=
 for arg in "$@"; do
-  if [ "$prev" = "-f" ]; then
-    sed -i -E 's/^([[:space:]]*bind[[:space:]]+)\\*?:([0-9]+)/\\1{host}:\\2/' "$arg"
+  if [ "$prev" = "-f" ] && ! grep -q '^{mark}' "$arg"; then
+    sed -i -E \\
+      -e 's/^([[:space:]]*bind[[:space:]]+)\\*?:([0-9]+)/\\1{host}:\\2/' \\
+      -e '/^[[:space:]]*errorfile (502|503|504) /d' \\
+      -e 's|^([[:space:]]*)http-request return status 404 content-type text/plain .*$|\\1http-request return status 404 content-type application/json file {errors}/404.json|' \\
+      -e '/^defaults$/r {errors}/defaults.cfg' \\
+      -e '/^frontend http_frontend$/r {errors}/frontend.cfg' \\
+      "$arg"
+    echo '{mark}' >> "$arg"
   fi
   prev=$arg
 done
 exec "{binary}" "$@"
 """
+
+# A client that sends nothing (or an HTTP/2 preface, or half a request) gets 408 after this.
+HTTP_REQUEST_TIMEOUT_S = 10
+ALLOWED_METHODS = ("GET", "HEAD", "POST")
+# The statuses HAProxy can answer itself (its `errorfile` list), with what each says.
+_ERRORS: dict[int, tuple[str, str, str]] = {
+    400: ("Bad Request", "invalid_request", "The request could not be parsed as HTTP/1.1."),
+    401: ("Unauthorized", "invalid_api_key", "Authentication is required."),
+    403: ("Forbidden", "permission_denied", "The request was refused."),
+    404: ("Not Found", "not_found", "Unknown path."),
+    405: ("Method Not Allowed", "method_not_allowed",
+          "Method not allowed: use " + ", ".join(ALLOWED_METHODS) + "."),
+    407: ("Proxy Authentication Required", "invalid_request", "Proxy authentication is not supported."),
+    408: ("Request Timeout", "request_timeout",
+          f"No complete request was received within {HTTP_REQUEST_TIMEOUT_S} s."),
+    410: ("Gone", "not_found", "The resource is gone."),
+    413: ("Payload Too Large", "request_too_large", "The request is too large."),
+    425: ("Too Early", "invalid_request", "Too early; retry the request."),
+    429: ("Too Many Requests", "rate_limit_exceeded", "Too many requests; retry shortly."),
+    500: ("Internal Server Error", "internal_error", "The server had an error processing the request."),
+    501: ("Not Implemented", "invalid_request", "The request uses a feature the server does not implement."),
+    502: ("Bad Gateway", "service_unavailable", "The gateway replica failed; retry shortly."),
+    503: ("Service Unavailable", "service_unavailable", "No gateway replica is available; retry shortly."),
+    504: ("Gateway Timeout", "timeout", "The gateway replica did not answer in time."),
+}
+RETRY_AFTER_S = 1  # on HAProxy's own 502/503/504: a gateway replica restarts within seconds
+
+
+def error_json(status: int) -> bytes:
+    from serve_app import errors
+
+    _, code, message = _ERRORS[status]
+    cls = errors.for_status(status)
+    return json.dumps(cls(message, code=code).to_body()).encode()
+
+
+def error_http(status: int) -> bytes:
+    """A full HTTP response for HAProxy's ``errorfile``: JSON body, connection closed."""
+    reason = _ERRORS[status][0]
+    body = error_json(status)
+    head = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json",
+            f"Content-Length: {len(body)}", "Cache-Control: no-cache", "Connection: close"]
+    if status in (502, 503, 504):
+        head.append(f"Retry-After: {RETRY_AFTER_S}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def write_error_files(errors_dir: Path) -> None:
+    """The error files and the config lines the wrapper adds to Ray's HAProxy config."""
+    errors_dir.mkdir(parents=True, exist_ok=True)
+    for status in _ERRORS:
+        (errors_dir / f"{status}.http").write_bytes(error_http(status))
+        (errors_dir / f"{status}.json").write_bytes(error_json(status))
+    defaults = [f"    {MARK}: bounded requests, JSON error files",
+                f"    timeout http-request {HTTP_REQUEST_TIMEOUT_S}s",
+                *(f"    errorfile {s} {errors_dir}/{s}.http" for s in _ERRORS)]
+    (errors_dir / "defaults.cfg").write_text("\n".join(defaults) + "\n")
+    frontend = [
+        f"    {MARK}: methods the gateway does not serve (uvicorn would answer them in plain text)",
+        "    acl serve_app_method method " + " ".join(ALLOWED_METHODS),
+        f"    http-request return status 405 content-type application/json file {errors_dir}/405.json "
+        f'hdr Allow "{", ".join(ALLOWED_METHODS)}" unless serve_app_method',
+        f"    http-request return status 400 content-type application/json file {errors_dir}/400.json "
+        "unless { path_beg / }",
+    ]
+    (errors_dir / "frontend.cfg").write_text("\n".join(frontend) + "\n")
 
 
 def _free_port(host: str) -> int:
@@ -57,7 +137,9 @@ def haproxy_env(run_dir: Path, host: str, binary: str) -> dict[str, str]:
     """Environment for Ray Serve's HAProxy ingress, with every file under ``run_dir``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     wrapper = run_dir / "haproxy"
-    wrapper.write_text(_WRAPPER.format(host=host, binary=binary))
+    errors_dir = run_dir / "errors"
+    write_error_files(errors_dir)
+    wrapper.write_text(_WRAPPER.format(host=host, binary=binary, errors=errors_dir, mark=MARK))
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
@@ -78,6 +160,11 @@ def haproxy_env(run_dir: Path, host: str, binary: str) -> dict[str, str]:
         # Ray Serve's max_queued_requests does not bound a burst on either transport; the gateway
         # enforces each model's capacity itself (serve_app/gateway/admission.py).
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        # The model replica -> gateway link carries one gRPC message per answer part; Ray keeps
+        # gRPC's 4 MiB default. Complete answers travel in 1 MiB parts (protocol.split_complete),
+        # so this only has to hold a request body (gateway.max_body_bytes, at most 32 MiB) and
+        # its envelope.
+        **GRPC_ENV,
     }
 
 

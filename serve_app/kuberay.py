@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from serve_app.config import load_app_config
+from serve_app.front_door import GRPC_ENV
 
 DEFAULT_CONFIG = "configs/prod.yaml"
 DEFAULT_OUT = "deploy/kuberay/rayservice.yaml"
@@ -35,6 +36,8 @@ SERVE_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.gateway.proxy_middleware:middlewares",
+    # Room on the replica gRPC link for a request body up to gateway.max_body_bytes (front_door.py).
+    **GRPC_ENV,
 }
 
 

@@ -8,9 +8,12 @@ Only plain data crosses a deployment handle: a JSON-serialisable ``RequestContex
 the parsed body, and the model answers with a stream of
 
 1. a ``Head`` (status, whether a stream follows, the first bytes; for a complete answer its tokens),
-2. for a stream, ``Chunk`` tuples: SSE bytes already serialised in the model replica (relayed as
+2. for a complete answer larger than ``PART_BYTES``, ``Head.parts`` more ``bytes`` items: the rest
+   of the body (``split_complete``). The link between deployments carries one message of at most
+   4 MiB by default (gRPC in throughput mode); a 1,024-input embedding answer is larger,
+3. for a stream, ``Chunk`` tuples: SSE bytes already serialised in the model replica (relayed as
    they are) and the completion tokens the engine has generated so far,
-3. for a stream, a ``Trailer`` with the exact token counts, however the stream ended in the replica.
+4. for a stream, a ``Trailer`` with the exact token counts, however the stream ended in the replica.
 
 A stream that the gateway stops early (the client went away) is charged the count of the last chunk
 it received: the engine's own count, never an estimate from the number of events.
@@ -26,6 +29,8 @@ from typing import Any, Literal, TypedDict
 from serve_app import errors
 
 SSE_DONE = b"data: [DONE]\n\n"
+# A complete answer travels in parts of at most this many bytes (gRPC's default limit is 4 MiB).
+PART_BYTES = 1024 * 1024
 
 Task = Literal["generate", "embed"]
 
@@ -144,6 +149,7 @@ class Head(TypedDict):
     body: bytes  # a complete answer, or the stream's first SSE bytes
     # A complete answer's usage (None for an error); for a stream, the counts at its first bytes.
     tokens: Tokens | None
+    parts: int  # a complete answer's further body parts (bytes items) that follow the head
 
 
 class Trailer(TypedDict):
@@ -156,8 +162,19 @@ class Trailer(TypedDict):
 Chunk = tuple[bytes, int]
 
 
-def head(status: int, body: bytes, *, stream: bool = False, tokens: Tokens | None = None) -> Head:
-    return {"status": status, "stream": stream, "body": body, "tokens": tokens}
+def head(status: int, body: bytes, *, stream: bool = False, tokens: Tokens | None = None,
+         parts: int = 0) -> Head:
+    return {"status": status, "stream": stream, "body": body, "tokens": tokens, "parts": parts}
+
+
+def split_complete(status: int, body: bytes, tokens: Tokens | None = None,
+                   part_bytes: int = PART_BYTES) -> list[Head | bytes]:
+    """A complete answer as a head and, when ``body`` is larger than ``part_bytes``, the rest of
+    it in parts (``Head.parts`` says how many follow), each small enough for one message."""
+    view = memoryview(body)
+    rest = [bytes(view[i:i + part_bytes]) for i in range(part_bytes, len(body), part_bytes)]
+    first: Head = head(status, bytes(view[:part_bytes]), tokens=tokens, parts=len(rest))
+    return [first, *rest]
 
 
 def trailer(prompt_tokens: int, completion_tokens: int) -> Trailer:

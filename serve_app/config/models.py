@@ -330,12 +330,20 @@ class TierConfig(_Strict):
     shed_at: float = Field(default=1.0, gt=0.0, le=1.0)
 
 
+MAX_BODY_LIMIT = 32 * 1024 * 1024  # half the replica gRPC message limit (serve_app/front_door.py)
+
+
 class GatewayConfig(_Strict):
     """The ingress deployment: authentication, limits, routing."""
 
     keys_file: str = "keys.yaml"
     keys_reload_interval_s: PositiveFloat = 1.0
-    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    max_body_bytes: PositiveInt = Field(
+        default=4 * 1024 * 1024,
+        le=MAX_BODY_LIMIT,
+        description="Largest request body. A body crosses to the model replica as one gRPC message "
+        "(Ray Serve's throughput mode), whose limit serve-app sets to 64 MiB: so at most 32 MiB.",
+    )
     request_timeout_s: PositiveFloat = 600.0
     stream_idle_timeout_s: PositiveFloat = Field(
         default=120.0,

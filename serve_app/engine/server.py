@@ -24,6 +24,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from serve_app import errors
 from serve_app.config import ModelConfig
+from serve_app.engine.checks import check_request
 from serve_app.engine.clients import EngineClient, TokenMeter, current_meter
 from serve_app.engine.pacing import PacedEngineClient
 from serve_app.engine.slots import GatedEngineClient, SlotGate
@@ -34,6 +35,7 @@ from serve_app.protocol import (
     Trailer,
     head,
     render_error,
+    split_complete,
     stream_error,
     tokens_of,
     trailer,
@@ -239,12 +241,16 @@ class EngineServer:
         overrides = self._overrides(ctx)
         set_overrides = current_overrides.set(overrides)
         try:
+            check_request(body)
             request, wants_usage = self._prepare(endpoint, body, ctx)
             overrides.apply(request)
             call = getattr(serving, endpoint.handler)
             result = await asyncio.wait_for(call(request, raw_request=None), ctx.remaining_s(600.0))
         except ValidationError as exc:
             yield _error_item(_validation_error(exc), endpoint)
+            return
+        except errors.ServeAppError as exc:  # check_request's refusals
+            yield _error_item(exc, endpoint)
             return
         except TimeoutError:
             yield _error_item(errors.GatewayTimeout(f"the {endpoint.name} request timed out"),
@@ -264,7 +270,9 @@ class EngineServer:
             finally:  # however the stream ended, even cancelled by a client that went away
                 self.streamed_tokens += meter.completion_tokens
             return
-        yield self._complete(result, endpoint)
+        answer = self._complete(result, endpoint)
+        for part in split_complete(answer["status"], answer["body"], answer["tokens"]):
+            yield part
 
     # ---- internals ---------------------------------------------------------------------------
     def _complete(self, result: Any, endpoint: Endpoint) -> Head:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
 from serve_app.gateway.auth import request_key
+from serve_app.gateway.body import parse_body
 from serve_app.gateway.keys import KeyStore
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing import Route, Router
@@ -78,12 +78,7 @@ def build_api(deps: GatewayDeps) -> FastAPI:
             raw += part
             if len(raw) > limit:
                 raise errors.PayloadTooLarge(f"request body is over the limit of {limit} bytes")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise errors.InvalidRequest(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise errors.InvalidRequest("request body must be a JSON object")
+        body = parse_body(bytes(raw))
         for name in FORBIDDEN_FIELDS:
             if name in body:
                 raise errors.InvalidRequest(

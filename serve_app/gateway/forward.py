@@ -78,12 +78,35 @@ class Forwarder:
                 media_type="text/event-stream",
                 headers={**headers, **STREAM_HEADERS},
             )
+        answer: bytes = first["body"]
+        if first.get("parts"):
+            answer = await self._rest(model_id, gen, first)
         gen.cancel()  # the answer is complete; release the stream promptly
         tokens = first["tokens"] if first["tokens"] is not None else tokens_of(0, 0)
         await ledger.close(Outcome(first["status"], tokens, ttft_s=None, duration_s=ttft))
         return Response(
-            first["body"], status_code=first["status"], media_type="application/json", headers=headers
+            answer, status_code=first["status"], media_type="application/json", headers=headers
         )
+
+    async def _rest(self, model_id: str, gen: Any, first: Head) -> bytes:
+        """A complete answer sent in parts (``protocol.split_complete``): the head's bytes and the
+        ``parts`` that follow it."""
+        parts = [first["body"]]
+        try:
+            async with asyncio.timeout(self.cfg.stream_idle_timeout_s):
+                for _ in range(first["parts"]):
+                    part = await gen.__anext__()
+                    if not isinstance(part, bytes):
+                        raise TypeError(f"expected an answer part, got {type(part).__name__}")
+                    parts.append(part)
+        except BaseException as exc:
+            gen.cancel()
+            if isinstance(exc, Exception):
+                logger.error("answer from %s broke after its head: %s", model_id,
+                             exc.__class__.__name__)
+                raise self._unavailable(model_id, "unavailable") from None
+            raise
+        return b"".join(parts)
 
     async def _first(self, model_id: str, gen: Any) -> Head:
         """The model's head, or the error that stands for no answer."""

@@ -29,7 +29,9 @@ SATURATION = 40
 # One of the engine's 4 slots is premium's alone: batch runs 3 at a time.
 RESERVED_SLOTS = 1
 GATEWAY_REPLICAS = 2
-KEYS = {"all": ("premium", ["*"]), "embed-only": ("standard", ["minilm-embed"])}
+KEYS = {"all": ("premium", ["*"]), "embed-only": ("standard", ["minilm-embed"]),
+        # tests/integration/test_fuzz.py's corpus, spread over two keys to stay under one key's rpm
+        "fuzz-a": ("premium", ["*"]), "fuzz-b": ("premium", ["*"])}
 
 def session_overrides(redis_url: str) -> Any:
     """configs/local.yaml's args with test-only limits, so that every error case is reached quickly."""

@@ -344,3 +344,10 @@ def test_shipped_config_file_is_valid(path: Path) -> None:
         assert app["import_path"] == "serve_app.app:build_app"
         cfg = load_app_config(path, app.get("name"))
         assert isinstance(cfg, AppConfig)
+
+
+def test_max_body_bytes_is_bounded_by_the_replica_message_limit() -> None:
+    assert GatewayConfig(max_body_bytes=32 * 2**20).max_body_bytes == 32 * 2**20
+    with pytest.raises(ValidationError) as info:
+        GatewayConfig(max_body_bytes=32 * 2**20 + 1)
+    assert "max_body_bytes" in str(info.value) and "33554432" in str(info.value)

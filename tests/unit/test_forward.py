@@ -22,7 +22,15 @@ from serve_app import errors
 from serve_app.config import GatewayConfig
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.ledger import Outcome
-from serve_app.protocol import ENDPOINTS, SSE_DONE, RequestContext, head, tokens_of, trailer
+from serve_app.protocol import (
+    ENDPOINTS,
+    SSE_DONE,
+    RequestContext,
+    head,
+    split_complete,
+    tokens_of,
+    trailer,
+)
 
 HANG = object()  # __anext__ never returns
 
@@ -332,3 +340,24 @@ def test_stream_cut_short_is_charged_the_engines_count_not_events() -> None:
     _run(scenario())
     assert gen.cancelled
     assert [o.tokens for o in ledger.outcomes] == [tokens_of(40, 12)]
+
+
+# ---- a complete answer larger than one message arrives in parts ----------------------------------
+def test_complete_answer_in_parts_is_joined_whole() -> None:
+    body = json.dumps({"data": ["x" * 1000] * 300}).encode()
+    gen = FakeGen(split_complete(200, body, tokens_of(3, 0), part_bytes=4096))
+    assert len(gen.items) > 2 and all(len(i) <= 4096 for i in gen.items[1:])
+    ledger = FakeLedger()
+    fwd, _ = _forwarder(gen)
+    resp = _run(_forward(fwd, "embeddings", ledger=ledger))
+    assert resp.body == body and resp.status_code == 200
+    assert [o.tokens for o in ledger.outcomes] == [tokens_of(3, 0)]
+    assert gen.cancelled
+
+
+def test_answer_cut_between_its_parts_is_503_not_a_truncated_200() -> None:
+    items = split_complete(200, b"x" * 10000, None, part_bytes=4096)
+    gen = FakeGen([items[0], items[1], RayActorError()])
+    fwd, _ = _forwarder(gen)
+    with pytest.raises(errors.ServiceUnavailable):
+        _run(_forward(fwd))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -79,3 +80,68 @@ def test_proxy_mode_changes_nothing_and_unknown_modes_are_refused(tmp_path: Path
 
 def test_the_bundled_haproxy_binary_is_installed() -> None:
     assert os.access(front_door.haproxy_binary(), os.X_OK)
+
+
+def test_error_files_are_openai_shaped_http_responses(tmp_path: Path) -> None:
+    front_door.write_error_files(tmp_path)
+    for status in (400, 403, 404, 405, 408, 500, 502, 503, 504):
+        raw = (tmp_path / f"{status}.http").read_bytes()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        assert lines[0].startswith(f"HTTP/1.1 {status} ")
+        assert "Content-Type: application/json" in lines
+        assert f"Content-Length: {len(body)}" in lines
+        err = json.loads(body)["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert ("Retry-After: 1" in lines) == (status in (502, 503, 504))
+    assert json.loads((tmp_path / "408.json").read_bytes())["error"]["code"] == "request_timeout"
+
+
+RAY_TEMPLATE_LIKE = """global
+    maxconn 100
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 3600s
+    timeout server 3600s
+    errorfile 502 {d}/500.http
+    errorfile 503 {d}/500.http
+    errorfile 504 {d}/500.http
+frontend http_frontend
+    bind 127.0.0.1:8000
+    acl is_x path_beg /
+    use_backend x if is_x
+    default_backend default_backend
+backend default_backend
+    http-request return status 404 content-type text/plain lf-string "Path '%[path]' not found."
+backend x
+    server s1 127.0.0.1:8001
+listen stats
+  bind *:8404
+  stats enable
+"""
+
+
+def test_wrapper_adds_timeout_error_files_and_method_rules_that_haproxy_accepts(tmp_path: Path) -> None:
+    env = front_door.haproxy_env(tmp_path / "run", "127.0.0.1", front_door.haproxy_binary())
+    (tmp_path / "500.http").write_text("HTTP/1.1 500 x\r\nContent-Length: 0\r\n\r\n")
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(RAY_TEMPLATE_LIKE.format(d=tmp_path))
+    wrapper = env["RAY_SERVE_HAPROXY_BINARY_PATH"]
+    for _ in range(2):  # Ray runs the binary on each start and reload: the edit is made once
+        out = subprocess.run([wrapper, "-c", "-f", str(cfg)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
+    text = cfg.read_text()
+    assert f"timeout http-request {front_door.HTTP_REQUEST_TIMEOUT_S}s" in text
+    assert text.count("timeout http-request") == 1
+    assert f"{tmp_path}/500.http" not in text  # Ray's text/plain 500 for 502/503/504
+    for status in (400, 408, 502, 503, 504):
+        assert f"errorfile {status} {tmp_path}/run/errors/{status}.http" in text
+    assert "unless serve_app_method" in text
+    assert "text/plain" not in text and "%[path]" not in text  # the 404 echoed the path
+    assert "bind 127.0.0.1:8404" in text
+
+
+def test_replica_grpc_limit_is_raised_with_haproxy(tmp_path: Path) -> None:
+    env = front_door.haproxy_env(tmp_path, "127.0.0.1", "/bin/true")
+    assert int(env["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]) == 64 * 2**20

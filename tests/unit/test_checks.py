@@ -1,0 +1,59 @@
+"""The model replica refuses, naming the field, what vLLM would fail on or leave unfinished."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app import errors
+from serve_app.engine.checks import MAX_N, check_request
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def refused(body: dict) -> errors.InvalidRequest:
+    with pytest.raises(errors.InvalidRequest) as info:
+        check_request(body)
+    return info.value
+
+
+def test_a_plain_request_passes() -> None:
+    check_request({**CHAT, "top_k": 40, "seed": 2**63 - 1, "structured_outputs": {"json": {}}})
+
+
+@pytest.mark.parametrize("value", ["x", 1, [1], True])
+def test_structured_outputs_must_be_an_object(value: object) -> None:
+    assert refused({**CHAT, "structured_outputs": value}).param == "structured_outputs"
+
+
+def test_integers_beyond_64_bits_anywhere_are_refused() -> None:
+    assert refused({**CHAT, "top_k": 2**70}).param == "top_k"
+    assert refused({**CHAT, "logit_bias": {"1": 2**70}}).param == "logit_bias"
+
+
+@pytest.mark.parametrize("value", [2**31, 2**40, 1e21])
+def test_top_k_beyond_32_bits_is_refused(value: float) -> None:
+    assert refused({**CHAT, "top_k": value}).param == "top_k"
+
+
+def test_lone_surrogate_in_stop_and_nan_are_refused() -> None:
+    assert refused({**CHAT, "stop": ["ok", "\ud800"]}).param == "stop"
+    assert refused({**CHAT, "temperature": float("nan")}).param == "temperature"
+
+
+def test_n_is_bounded() -> None:
+    check_request({**CHAT, "n": MAX_N})
+    assert refused({**CHAT, "n": MAX_N + 1}).param == "n"
+
+
+def test_deep_nesting_does_not_exhaust_the_stack() -> None:
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    check_request({**CHAT, "messages": deep})  # vLLM's validation refuses it; no RecursionError here
+
+
+def test_an_answer_too_large_to_send_is_refused_before_the_work() -> None:
+    big = {**CHAT, "n": 128, "max_tokens": 60000, "logprobs": True, "top_logprobs": 20}
+    assert refused(big).param == "max_tokens"
+    check_request({**big, "stream": True})  # a stream is never held whole
+    check_request({**CHAT, "n": 3, "max_tokens": 1500, "logprobs": True, "top_logprobs": 20})
