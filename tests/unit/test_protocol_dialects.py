@@ -102,3 +102,15 @@ def test_messages_conversion_gets_the_gateways_priority_and_id() -> None:
     assert (chat.priority, chat.request_id, chat.cache_salt) == (10, "req-9", "s")
     untouched = asyncio.run(serving.create_messages(object()))  # no request context: defaults
     assert (untouched.priority, untouched.request_id) == (0, "x")
+
+
+def test_a_complete_answer_is_split_into_parts_that_fit_one_message() -> None:
+    from serve_app.protocol import PART_BYTES, split_complete, tokens_of
+
+    small = split_complete(200, b"{}", tokens_of(1, 2))
+    assert small == [{"status": 200, "stream": False, "body": b"{}", "tokens": tokens_of(1, 2), "parts": 0}]
+    body = bytes(range(256)) * (3 * PART_BYTES // 256 + 7)
+    first, *rest = split_complete(200, body)
+    assert isinstance(first, dict) and first["parts"] == len(rest) == 3
+    assert all(isinstance(p, bytes) and len(p) <= PART_BYTES for p in rest)
+    assert first["body"] + b"".join(rest) == body  # type: ignore[operator]
