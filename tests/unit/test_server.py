@@ -371,3 +371,58 @@ def test_coalesce_runs_vllms_stream_with_the_requests_meter_set() -> None:
 
     asyncio.run(run())
     assert seen == [meter]
+
+
+# ---- handle: checks before vLLM, large complete answers in parts ---------------------------------
+class _FakeServing:
+    """A vLLM serving object: records its calls, answers with a starlette-like response."""
+
+    def __init__(self, body: bytes) -> None:
+        self.calls = 0
+        self.body = body
+
+    async def __call__(self, request: Any, raw_request: Any = None) -> Any:
+        self.calls += 1
+        return dataclasses.make_dataclass("R", ["status_code", "body"])(200, self.body)
+
+
+def _handle(server: EngineServer, name: str, body: dict[str, Any]) -> list[Any]:
+    from serve_app.protocol import ENDPOINTS, RequestContext
+
+    async def run() -> list[Any]:
+        ctx = RequestContext("r1", "k1", "standard")
+        return [item async for item in server.handle(ENDPOINTS[name], body, ctx)]
+
+    return asyncio.run(run())
+
+
+def test_handle_refuses_what_vllm_would_leak_without_calling_it() -> None:
+    from starlette.datastructures import State
+
+    server = _server()
+    server.state = State()
+    serving = _FakeServing(b"{}")
+    server.state.serving_embedding = serving
+    for field, value in (("dimensions", 2**70), ("input", "\ud800"), ("dimensions", 2**40)):
+        items = _handle(server, "embeddings", {"model": "m", "input": "hi", field: value})
+        assert len(items) == 1 and items[0]["status"] == 400
+        assert json.loads(items[0]["body"])["error"]["param"] == field
+    assert serving.calls == 0
+
+
+def test_handle_sends_a_large_complete_answer_in_parts() -> None:
+    from starlette.datastructures import State
+
+    from serve_app.protocol import PART_BYTES
+
+    answer = json.dumps({"data": [{"embedding": [0.123456789] * 384}] * 1024,
+                         "usage": {"prompt_tokens": 5, "total_tokens": 5}}).encode()
+    assert len(answer) > 4 * 2**20
+    server = _server()
+    server.state = State()
+    server.state.serving_embedding = _FakeServing(answer)
+    first, *rest = _handle(server, "embeddings", {"model": "m", "input": "hi"})
+    assert first["status"] == 200 and first["parts"] == len(rest) > 3
+    assert all(len(p) <= PART_BYTES for p in [first["body"], *rest])
+    assert first["body"] + b"".join(rest) == answer
+    assert first["tokens"] == {"prompt_tokens": 5, "completion_tokens": 0}
