@@ -205,3 +205,32 @@ def test_recovery_times() -> None:
           Result("completed", 70, 70.5)]
     assert recovery(rs, kill_at=10.0) == (pytest.approx(0.4), pytest.approx(60.5))
     assert recovery(rs[:2], kill_at=10.0) == (None, None)
+
+
+# ---- soak -------------------------------------------------------------------------------------
+def test_the_soak_reads_streams_as_a_client_would() -> None:
+    from loadtests.soak import parse_sse
+
+    ok = [b'data: {"choices":[{"delta":{"content":"a"}}]}', b"",
+          b'data: {"choices":[{"finish_reason":"length"}]}',
+          b'data: {"choices":[],"usage":{"completion_tokens":12}}', b"data: [DONE]"]
+    assert parse_sse(ok) == (True, False, True, 12)
+    broken = [b'data: {"choices":[{"delta":{"content":"a"}}]}',
+              b'data: {"error":{"message":"m","type":"server_error","code":"service_unavailable"}}',
+              b"data: [DONE]"]
+    assert parse_sse(broken) == (False, True, True, 0)
+    assert parse_sse([b'data: {"choices":[{"delta":{"content":"a"}}]}']) == (False, False, False, 0)
+
+
+def test_the_soak_rules() -> None:
+    from loadtests.soak import check
+
+    tier = {"sent": 10, "kinds": {"completed": 8, "error_event": 1, "unavailable": 1},
+            "tokens_completed": 800, "usage_requests": 10, "usage_completion_tokens": 850,
+            "examples": []}
+    assert check({"kills": 1, "tiers": {"premium": tier}}, max_tokens=100) == []
+    cut = {**tier, "kinds": {**tier["kinds"], "cut": 1}}
+    assert "cut" in check({"kills": 1, "tiers": {"premium": cut}}, 100)[0]
+    lost = {**tier, "usage_requests": 0}
+    assert "usage counted 0 requests" in check({"kills": 1, "tiers": {"p": lost}}, 100)[0]
+    assert check({"kills": 0, "tiers": {}}, 100) == ["no replica was killed"]
