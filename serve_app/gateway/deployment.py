@@ -12,6 +12,7 @@ from serve_app import logflush
 from serve_app.config import AppConfig
 from serve_app.gateway.admission import Admission
 from serve_app.gateway.api import GatewayDeps, build_api
+from serve_app.gateway.drain import Drain, app_deleting_from_status
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.keys import KeyStore
 from serve_app.gateway.outage import OutageGuard, running_replicas_from_status
@@ -44,7 +45,8 @@ class Gateway:
         usage = Usage(store, GatewayMetrics.create(cfg))
         outage = OutageGuard(cfg.gateway.unavailable_hold_s, running_replicas_from_status(
             _app_name(), {m.id: m.deployment_name for m in cfg.models}))
-        forwarder = Forwarder(handles, cfg.gateway, outage)
+        drain = Drain(cfg.gateway.drain_timeout_s, app_deleting_from_status(_app_name()))
+        forwarder = Forwarder(handles, cfg.gateway, outage, drain)
         self.deps = GatewayDeps(
             cfg=cfg,
             keys=KeyStore(Path(cfg.gateway.keys_file), cfg.gateway.keys_reload_interval_s),

@@ -27,6 +27,7 @@ from starlette.responses import Response, StreamingResponse
 
 from serve_app import errors
 from serve_app.config import GatewayConfig
+from serve_app.gateway.drain import Drain
 from serve_app.gateway.ledger import Ledger, Outcome
 from serve_app.gateway.outage import ModelDown, OutageGuard
 from serve_app.protocol import Endpoint, Head, RequestContext, Tokens, stream_error, tokens_of
@@ -42,13 +43,15 @@ class Forwarder:
     """Calls model deployments through their handles (one handle per model id)."""
 
     def __init__(
-        self, handles: Mapping[str, Any], cfg: GatewayConfig, outage: OutageGuard | None = None
+        self, handles: Mapping[str, Any], cfg: GatewayConfig, outage: OutageGuard | None = None,
+        drain: Drain | None = None,
     ) -> None:
         self._handles = {
             model_id: h.options(stream=True) for model_id, h in handles.items()
         }
         self.cfg = cfg
         self.outage = outage if outage is not None else OutageGuard(cfg.unavailable_hold_s, None)
+        self.drain = drain if drain is not None else Drain(cfg.drain_timeout_s, None)
         self._pending: set[asyncio.Task[None]] = set()
         # How the last call travelled: "grpc" (Ray Serve's throughput mode) or "object refs"
         # (Ray's default). In the replica's diagnostics (serve-app diagnose); a test checks it.
@@ -72,6 +75,9 @@ class Forwarder:
         open); otherwise the ledger is closed here once the answer ends, however it ends."""
         start = time.monotonic()
         model_id = ledger.model_id
+        if self.drain.draining:
+            raise errors.ServiceUnavailable("the server is shutting down; retry shortly",
+                                            retry_after_s=self.cfg.retry_after_s)
         gen = self._handles[model_id].handle.remote(endpoint.name, body, ctx.to_dict())
         self.transport = "object refs" if getattr(gen, "by_reference", True) else "grpc"
         first = await self._first(model_id, gen, start)
@@ -135,6 +141,7 @@ class Forwarder:
         so_far = first["tokens"] or tokens_of(0, 0)
         prompt, completion = so_far["prompt_tokens"], so_far["completion_tokens"]
         final: Tokens | None = None
+        stream = self.drain.track(gen.cancel)  # a graceful stop ends it cleanly (drain.py)
         try:
             if first["body"]:
                 yield first["body"]
@@ -150,7 +157,13 @@ class Forwarder:
                     continue
                 data, completion = item
                 yield data
-        except (asyncio.CancelledError, GeneratorExit, RequestCancelledError):
+        except (asyncio.CancelledError, RequestCancelledError):
+            if not stream.stopped:
+                raise  # the client went away
+            finished = True  # the app is stopping and the drain's time is up
+            yield stream_error(endpoint, errors.ServiceUnavailable(
+                "the server is shutting down; retry shortly", retry_after_s=self.cfg.retry_after_s))
+        except GeneratorExit:
             raise
         except Exception as exc:
             if isinstance(exc, TimeoutError):
@@ -165,6 +178,7 @@ class Forwarder:
             finished = True
             yield stream_error(endpoint, err)
         finally:
+            self.drain.done(stream)
             if not finished:
                 gen.cancel()
             out = Outcome(200, final or tokens_of(prompt, completion), ttft_s=ttft,

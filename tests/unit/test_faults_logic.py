@@ -234,3 +234,45 @@ def test_the_soak_rules() -> None:
     lost = {**tier, "usage_requests": 0}
     assert "usage counted 0 requests" in check({"kills": 1, "tiers": {"p": lost}}, 100)[0]
     assert check({"kills": 0, "tiers": {}}, 100) == ["no replica was killed"]
+
+
+# ---- drain ------------------------------------------------------------------------------------
+def test_the_drain_lets_streams_finish_then_stops_the_rest() -> None:
+    from serve_app.gateway.drain import Drain
+
+    deleting = {"now": False}
+    cancelled: list[str] = []
+
+    async def main() -> None:
+        drain = Drain(0.3, lambda: deleting["now"], poll_s=0.02)
+        quick = drain.track(lambda: cancelled.append("quick"))
+        slow = drain.track(lambda: cancelled.append("slow"))
+        await asyncio.sleep(0.1)
+        assert not drain.draining
+        deleting["now"] = True
+        await asyncio.sleep(0.1)
+        assert drain.draining
+        drain.done(quick)  # finished in time
+        await asyncio.sleep(0.35)
+        assert slow.stopped and not quick.stopped
+        assert cancelled == ["slow"]
+
+    asyncio.run(main())
+
+
+def test_an_idle_gateway_never_reads_the_status() -> None:
+    from serve_app.gateway.drain import Drain
+
+    calls: list[int] = []
+
+    async def main() -> None:
+        drain = Drain(1.0, lambda: bool(calls.append(1)), poll_s=0.01)
+        s = drain.track(lambda: None)
+        await asyncio.sleep(0.05)
+        drain.done(s)
+        await asyncio.sleep(0.05)
+        n = len(calls)
+        await asyncio.sleep(0.05)
+        assert len(calls) == n  # no stream, no polling
+
+    asyncio.run(main())
