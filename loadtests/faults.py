@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import Counter
@@ -34,8 +35,10 @@ def _title(pid: int) -> str:
 
 def find_replicas(root: int, deployment: str, app: str = "llm") -> list[int]:
     """Pids of a deployment's replica processes under ``root`` (Ray's process title)."""
-    marker = f"ServeReplica:{app}:{deployment}"
-    return sorted(pid for pid in descendants(root) if _title(pid).startswith(f"ray::{marker}"))
+    # Exactly this deployment: "model-tiny-chat" must not match "model-tiny-chat-b". Ray appends
+    # ".method" to the title while an actor runs a task.
+    title = re.compile(rf"^ray::ServeReplica:{re.escape(app)}:{re.escape(deployment)}(?:[.\s]|$)")
+    return sorted(pid for pid in descendants(root) if title.match(_title(pid)))
 
 
 def find_engine_core(replica_pid: int) -> int | None:

@@ -20,8 +20,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``faults`` or ``soak`` kill processes of the session stack (which recovers,
-    but slowly): they run after every other test, in their files' order."""
+    but slowly): they run after every other test, in their files' order; a test marked
+    ``stops_stack`` stops it, so it runs last of all."""
     def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("stops_stack"):
+            return 3
         if item.get_closest_marker("soak"):
             return 2
         return 1 if item.get_closest_marker("faults") else 0

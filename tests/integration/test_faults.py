@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -156,3 +157,41 @@ def test_gateway_death_keeps_usage_and_the_other_replica_serves(stack) -> None:
           f"(client counted {counted} completed meanwhile)")
     assert after["requests"] >= before["requests"] + counted, (before, after, counted)
     assert after["completion_tokens"] > before["completion_tokens"]
+
+
+@pytest.mark.stops_stack
+def test_ctrl_c_lets_streams_finish_or_ends_them_with_an_error_event(stack) -> None:
+    """Ctrl-C of `serve-app run` (SIGINT to its process group, as a terminal sends it) while
+    streams run: short ones finish, long ones end with an error event and [DONE] once
+    gateway.drain_timeout_s (10 s) has passed; none is cut. This stops the session stack."""
+    import openai
+
+    from loadtests.faults import stream_once
+    from loadtests.stack import _signal_group
+
+    _wait_healthy(stack)
+    results = []
+    lock = threading.Lock()
+
+    def one(max_tokens: int) -> None:
+        client = openai.OpenAI(base_url=stack.base_url, api_key=stack.keys["all"], max_retries=0,
+                               timeout=90)
+        r = stream_once(client, MODEL, max_tokens)
+        with lock:
+            results.append((max_tokens, r))
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in (100, 100, 20000, 20000)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    signalled = time.monotonic()
+    _signal_group(stack.proc, signal.SIGINT)
+    for t in threads:
+        t.join(90)
+    for n, r in sorted(results, key=lambda x: x[0]):
+        print(f"[faults] Ctrl-C: max_tokens {n}: {r.kind} {r.ended - signalled:+.1f} s after "
+              f"the signal {r.detail[:80]}")
+    assert len(results) == 4
+    assert all(r.kind in ("completed", "error_event") for _, r in results), results
+    assert all(r.ended - signalled < 10 + 8 for _, r in results), results
+    stack.proc.popen.wait(120)

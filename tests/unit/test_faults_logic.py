@@ -276,3 +276,14 @@ def test_an_idle_gateway_never_reads_the_status() -> None:
         assert len(calls) == n  # no stream, no polling
 
     asyncio.run(main())
+
+
+def test_replica_titles_match_one_deployment_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    import loadtests.faults as faults
+
+    titles = {1: "ray::ServeReplica:llm:model-tiny-chat-b", 2: "ray::ServeReplica:llm:model-tiny-chat",
+              3: "ray::ServeReplica:llm:model-tiny-chat.handle_request_streaming", 4: "python x"}
+    monkeypatch.setattr(faults, "descendants", lambda root: dict.fromkeys(titles, 0))
+    monkeypatch.setattr(faults, "_title", lambda pid: titles[pid])
+    assert faults.find_replicas(0, "model-tiny-chat") == [2, 3]
+    assert faults.find_replicas(0, "model-tiny-chat-b") == [1]
