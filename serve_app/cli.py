@@ -258,6 +258,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     stop = threading.Event()
 
     def _stop(*_: Any) -> None:
+        if stop.is_set():  # a second Ctrl-C skips the drain
+            raise KeyboardInterrupt
         stop.set()
 
     signal.signal(signal.SIGINT, _stop)
@@ -302,6 +304,17 @@ def cmd_run(ns: argparse.Namespace) -> int:
         _say("shutting down ...")
         if prom is not None:
             prom.stop()
+        try:
+            # Delete the app first, while Ray Serve's proxies still run: the gateways give their
+            # streams gateway.drain_timeout_s to finish, then end them with an error event
+            # (gateway/drain.py). serve.shutdown() stops the proxies at once, cutting streams.
+            t_drain = time.monotonic()
+            _say(f"draining in-flight requests (at most {cfg.gateway.drain_timeout_s:.0f} s; "
+                 "Ctrl-C again to skip) ...")
+            serve.delete(APP_NAME, _blocking=True)
+            _say(f"drained in {time.monotonic() - t_drain:.1f} s")
+        except (Exception, KeyboardInterrupt) as exc:
+            _say(f"drain skipped: {exc.__class__.__name__}")
         try:
             serve.shutdown()  # type: ignore[no-untyped-call]
         finally:
