@@ -66,6 +66,17 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def loaded_libraries(pid: int, names: Iterable[str] = ("torch", "vllm")) -> list[str]:
+    """Which of ``names`` appear in a process's memory maps (e.g. torch loaded into Ray Serve's
+    controller when it unpickles an exception raised by vLLM)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            maps = f.read()
+    except OSError:
+        return []
+    return [n for n in names if n in maps]
+
+
 def alive(pid: int) -> bool:
     return proc_stat(pid) is not None
 

@@ -25,6 +25,7 @@ from loadtests.faults import (
     find_controller,
     find_engine_core,
     find_replicas,
+    loaded_libraries,
     recovery,
     rss_mb,
     summary,
@@ -120,8 +121,10 @@ def test_engine_core_death_answers_503_at_once_and_recovers(stack) -> None:
     cut_with_event = [r for r in streams if r.kind == "error_event"]
     assert cut_with_event, f"no stream was in flight at the kill: {summary(streams)}"
     if controller:
+        time.sleep(1.0)
         after_mb = rss_mb(controller)
-        print(f"[faults] Serve controller RSS {before_mb:.0f} -> {after_mb:.0f} MB")
+        print(f"[faults] Serve controller RSS {before_mb:.0f} -> {after_mb:.0f} MB; libraries "
+              f"loaded {loaded_libraries(controller)}")
         assert after_mb - before_mb < 200, (before_mb, after_mb)
 
 
