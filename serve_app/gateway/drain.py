@@ -5,7 +5,7 @@ When the app is deleted (Ctrl-C of ``serve-app run``, ``serve shutdown``, ``serv
 Serve waits for a gateway replica's ongoing requests before it stops it, but only up to the
 deployment's ``graceful_shutdown_timeout_s``; then it kills the replica, and every stream it still
 held was cut with no error event. Ray Serve tells a replica nothing before that, so ``Drain`` reads
-the app's public status (``serve.status()``: ``DELETING``) every ``poll_s`` while this replica holds
+the app's public status (``serve.status()``: ``DELETING``) once a second while this replica holds
 a stream (never when idle). Once the app is deleting:
 
 - new requests get 503 ``service_unavailable`` with ``Retry-After``;
@@ -54,7 +54,7 @@ class Stream:
 class Drain:
     """The gateway replica's in-flight streams, and whether the app is being stopped."""
 
-    def __init__(self, timeout_s: float, deleting: DeletingFn | None, *, poll_s: float = 0.5,
+    def __init__(self, timeout_s: float, deleting: DeletingFn | None, *, poll_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.timeout_s = timeout_s
         self._deleting = deleting
