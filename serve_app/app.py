@@ -17,6 +17,7 @@ from serve_app.engine.placement import actor_options, placement_bundles, placeme
 from serve_app.gateway.deployment import Gateway
 
 GATEWAY_DEPLOYMENT = "gateway"
+DRAIN_MARGIN_S = 5.0
 
 
 def parse_args(args: dict[str, Any] | AppConfig) -> AppConfig:
@@ -65,5 +66,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         name=GATEWAY_DEPLOYMENT,
         num_replicas=g.num_replicas,
         max_ongoing_requests=g.max_ongoing_requests,
+        # Ray Serve waits this long for the gateway's streams before it kills it: the drain's
+        # bound plus a margin, so that no stream is cut mid-way (gateway/drain.py).
+        graceful_shutdown_timeout_s=g.drain_timeout_s + DRAIN_MARGIN_S,
         ray_actor_options={"num_cpus": g.num_cpus},
     ).bind(cfg.model_dump(mode="json"), handles)

@@ -4,6 +4,7 @@ check config files, print a model's vLLM engine arguments and diagnose a running
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
@@ -207,7 +208,21 @@ def cmd_run(ns: argparse.Namespace) -> int:
     except KeysFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    gateway = cfg.gateway.model_copy(update={"keys_file": str(keys_file)})
+    gateway_update: dict[str, Any] = {"keys_file": str(keys_file)}
+    local_redis: Any = None
+    if cfg.gateway.redis_url is None:
+        # Usage totals and limit counters outlive a gateway replica (local_state.py).
+        from serve_app.local_state import LocalStateError, start_local_redis
+
+        try:
+            local_redis = start_local_redis(keys_file.parent / "state")
+            gateway_update["redis_url"] = local_redis.url
+            atexit.register(local_redis.stop)  # also when start-up fails before the try below
+            _say(f"usage and limit state: local redis-server on {local_redis.url} "
+                 f"(persisted in {local_redis.state_dir})")
+        except LocalStateError as exc:
+            _say(f"usage and limit state stay in each gateway's memory: {exc}")
+    gateway = cfg.gateway.model_copy(update=gateway_update)
     cfg = cfg.model_copy(update={"gateway": gateway})
 
     if any(m.source == "builtin:tiny-chat" for m in cfg.models):
@@ -243,6 +258,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     stop = threading.Event()
 
     def _stop(*_: Any) -> None:
+        if stop.is_set():  # a second Ctrl-C skips the drain
+            raise KeyboardInterrupt
         stop.set()
 
     signal.signal(signal.SIGINT, _stop)
@@ -288,10 +305,23 @@ def cmd_run(ns: argparse.Namespace) -> int:
         if prom is not None:
             prom.stop()
         try:
+            # Delete the app first, while Ray Serve's proxies still run: the gateways give their
+            # streams gateway.drain_timeout_s to finish, then end them with an error event
+            # (gateway/drain.py). serve.shutdown() stops the proxies at once, cutting streams.
+            t_drain = time.monotonic()
+            _say(f"draining in-flight requests (at most {cfg.gateway.drain_timeout_s:.0f} s; "
+                 "Ctrl-C again to skip) ...")
+            serve.delete(APP_NAME, _blocking=True)
+            _say(f"drained in {time.monotonic() - t_drain:.1f} s")
+        except (Exception, KeyboardInterrupt) as exc:
+            _say(f"drain skipped: {exc.__class__.__name__}")
+        try:
             serve.shutdown()  # type: ignore[no-untyped-call]
         finally:
             ray.shutdown()
             shutil.rmtree(run_dir, ignore_errors=True)
+            if local_redis is not None:
+                local_redis.stop()
         _say("stopped")
     return code
 

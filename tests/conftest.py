@@ -18,6 +18,20 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``faults`` or ``soak`` kill processes of the session stack (which recovers,
+    but slowly): they run after every other test, in their files' order; a test marked
+    ``stops_stack`` stops it, so it runs last of all."""
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("stops_stack"):
+            return 3
+        if item.get_closest_marker("soak"):
+            return 2
+        return 1 if item.get_closest_marker("faults") else 0
+
+    items.sort(key=rank)  # stable: the order within each group is kept
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -351,6 +351,16 @@ class GatewayConfig(_Strict):
         "with an error.",
     )
     retry_after_s: PositiveInt = 2
+    unavailable_hold_s: PositiveFloat = Field(
+        default=5.0,
+        description="Longest a request waits for a model with no healthy replica (all replicas "
+        "dead or restarting) before it is answered 503 with Retry-After.",
+    )
+    drain_timeout_s: PositiveFloat = Field(
+        default=10.0,
+        description="On a graceful stop (Ctrl-C, serve shutdown), how long in-flight streams may "
+        "run on before they are ended with an error event.",
+    )
     num_replicas: PositiveInt = 1
     max_ongoing_requests: PositiveInt = 1024
     num_cpus: float = Field(default=0.5, ge=0)

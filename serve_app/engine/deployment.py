@@ -14,6 +14,7 @@ from typing import Any
 
 from ray import serve
 
+from serve_app import logflush
 from serve_app.config import ModelConfig
 from serve_app.engine.server import EngineServer
 from serve_app.engine.sources import resolve_source
@@ -30,6 +31,7 @@ class ModelServer:
     async def __init__(  # type: ignore[misc]
         self, model: dict[str, Any], cache_dir: str, top_priority: int = 0
     ) -> None:
+        logflush.install()  # warnings and errors reach the replica log at once
         self.cfg = ModelConfig.model_validate(model)
         path = await asyncio.to_thread(resolve_source, self.cfg.source, cache_dir)
         self.server = EngineServer(self.cfg, path, top_priority)
@@ -55,10 +57,12 @@ class ModelServer:
             "unfinished_requests": self.server.unfinished_requests(),
             "waiting_for_slot": self.server.waiting_for_slot(),
             "streamed_tokens": self.server.streamed_tokens,
+            "engine_dead": self.server.engine_dead(),
         }
 
     async def check_health(self) -> None:
-        # Raises when the engine core died; Ray Serve then replaces this replica.
+        # Raises (a plain RuntimeError) when the engine core died; Ray Serve then replaces this
+        # replica. The watchdog also exits the replica 0.5 s after the death (watchdog.py).
         await self.server.check_health()
 
     def __del__(self) -> None:

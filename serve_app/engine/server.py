@@ -28,6 +28,7 @@ from serve_app.engine.checks import check_request
 from serve_app.engine.clients import EngineClient, TokenMeter, current_meter
 from serve_app.engine.pacing import PacedEngineClient
 from serve_app.engine.slots import GatedEngineClient, SlotGate
+from serve_app.engine.watchdog import EngineWatchdog
 from serve_app.protocol import (
     Endpoint,
     Head,
@@ -137,6 +138,8 @@ class EngineServer:
         self.gate: SlotGate | None = None
         self.state: Any = None  # vLLM's app state: its serving objects, by attribute name
         self.streamed_tokens = 0  # completion tokens the engine made for streamed requests
+        self.watchdog: EngineWatchdog | None = None
+        self.retry_after_s = 2
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -176,6 +179,8 @@ class EngineServer:
         from vllm import envs
 
         envs.enable_envs_cache()
+        self.watchdog = EngineWatchdog(self.engine, self.cfg.id)
+        self.watchdog.start()
         logger.info(
             "Engine for %s ready in %.1f s (tasks %s, max_model_len %d)",
             self.cfg.id, time.monotonic() - t0, tasks, self.max_model_len,
@@ -207,9 +212,20 @@ class EngineServer:
         return PacedEngineClient(client, self.cfg.stream_interval_ms / 1000.0)
 
     async def check_health(self) -> None:
-        if self.engine is None:
-            raise RuntimeError("engine not started")
-        await self.engine.check_health()
+        # Plain errors only: Ray Serve's controller keeps what a failed check raised, and vLLM's
+        # EngineDeadError drags the engine's state along (see watchdog.py).
+        if self.engine is None or self.watchdog is None:
+            raise RuntimeError(f"engine of {self.cfg.id} not started")
+        self.watchdog.check_health()
+
+    def engine_dead(self) -> bool:
+        return self.watchdog is not None and self.watchdog.dead
+
+    def _dead_error(self) -> errors.ServiceUnavailable:
+        return errors.ServiceUnavailable(
+            f"model {self.cfg.id!r} lost its engine and is restarting; retry shortly",
+            retry_after_s=self.retry_after_s,
+        )
 
     def unfinished_requests(self) -> int:
         return int(self.engine.output_processor.get_num_unfinished_requests())
@@ -219,6 +235,8 @@ class EngineServer:
         return self.gate.waiting if self.gate is not None else 0
 
     def shutdown(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
@@ -228,6 +246,9 @@ class EngineServer:
         self, endpoint: Endpoint, body: dict[str, Any], ctx: RequestContext
     ) -> AsyncIterator[Head | bytes | tuple[bytes, int] | Trailer]:
         """Serve one request of ``endpoint``: a ``Head``, then for a stream chunks and a trailer."""
+        if self.engine_dead():
+            yield _error_item(self._dead_error(), endpoint)
+            return
         serving = getattr(self.state, endpoint.serving, None)
         if serving is None:
             yield _error_item(errors.InvalidRequest(
@@ -299,7 +320,10 @@ class EngineServer:
 
     def _map_exception(self, exc: Exception, main_param: str = "messages") -> errors.ServeAppError:
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+        from vllm.v1.engine.exceptions import EngineDeadError
 
+        if isinstance(exc, EngineDeadError) or self.engine_dead():
+            return self._dead_error()
         try:
             r = create_error_response(exc)
             return to_openai_error(int(r.error.code), r.error.message, r.error.param, main_param)

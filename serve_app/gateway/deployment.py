@@ -8,16 +8,26 @@ from typing import Any
 from fastapi import FastAPI
 from ray import serve
 
+from serve_app import logflush
 from serve_app.config import AppConfig
 from serve_app.gateway.admission import Admission
 from serve_app.gateway.api import GatewayDeps, build_api
+from serve_app.gateway.drain import Drain, app_deleting_from_status
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.keys import KeyStore
+from serve_app.gateway.outage import OutageGuard, running_replicas_from_status
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.limits import LimitBackend, MemoryBackend, RedisBackend
 from serve_app.gateway.routing import Router
 from serve_app.gateway.usage import MemoryUsageStore, RedisUsageStore, Usage, UsageStore
 from serve_app.metrics import GatewayMetrics
+
+
+def _app_name() -> str:
+    try:
+        return str(serve.get_replica_context().app_name)
+    except Exception:  # built outside a replica (unit tests)
+        return "llm"
 
 
 @serve.deployment
@@ -26,17 +36,22 @@ class Gateway:
     """One unified OpenAI-compatible front door for every model deployment."""
 
     def __init__(self, app_config: dict[str, Any], handles: dict[str, Any]) -> None:
+        logflush.install()  # warnings and errors reach the replica log at once
         cfg = AppConfig.model_validate(app_config)
         redis_url = cfg.gateway.redis_url
         backend: LimitBackend = RedisBackend(redis_url) if redis_url else MemoryBackend()
         store: UsageStore = RedisUsageStore(redis_url) if redis_url else MemoryUsageStore()
         router = Router(cfg)
         usage = Usage(store, GatewayMetrics.create(cfg))
+        outage = OutageGuard(cfg.gateway.unavailable_hold_s, running_replicas_from_status(
+            _app_name(), {m.id: m.deployment_name for m in cfg.models}))
+        drain = Drain(cfg.gateway.drain_timeout_s, app_deleting_from_status(_app_name()))
+        forwarder = Forwarder(handles, cfg.gateway, outage, drain)
         self.deps = GatewayDeps(
             cfg=cfg,
             keys=KeyStore(Path(cfg.gateway.keys_file), cfg.gateway.keys_reload_interval_s),
             router=router,
-            pipeline=Pipeline(cfg, router, Admission(cfg, backend), Forwarder(handles, cfg.gateway), usage),
+            pipeline=Pipeline(cfg, router, Admission(cfg, backend), forwarder, usage),
             usage=usage,
         )
 

@@ -27,7 +27,9 @@ from starlette.responses import Response, StreamingResponse
 
 from serve_app import errors
 from serve_app.config import GatewayConfig
+from serve_app.gateway.drain import Drain
 from serve_app.gateway.ledger import Ledger, Outcome
+from serve_app.gateway.outage import ModelDown, OutageGuard
 from serve_app.protocol import Endpoint, Head, RequestContext, Tokens, stream_error, tokens_of
 
 logger = logging.getLogger("ray.serve")
@@ -40,11 +42,16 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class Forwarder:
     """Calls model deployments through their handles (one handle per model id)."""
 
-    def __init__(self, handles: Mapping[str, Any], cfg: GatewayConfig) -> None:
+    def __init__(
+        self, handles: Mapping[str, Any], cfg: GatewayConfig, outage: OutageGuard | None = None,
+        drain: Drain | None = None,
+    ) -> None:
         self._handles = {
             model_id: h.options(stream=True) for model_id, h in handles.items()
         }
         self.cfg = cfg
+        self.outage = outage if outage is not None else OutageGuard(cfg.unavailable_hold_s, None)
+        self.drain = drain if drain is not None else Drain(cfg.drain_timeout_s, None)
         self._pending: set[asyncio.Task[None]] = set()
         # How the last call travelled: "grpc" (Ray Serve's throughput mode) or "object refs"
         # (Ray's default). In the replica's diagnostics (serve-app diagnose); a test checks it.
@@ -68,10 +75,19 @@ class Forwarder:
         open); otherwise the ledger is closed here once the answer ends, however it ends."""
         start = time.monotonic()
         model_id = ledger.model_id
+        if self.drain.draining:
+            raise errors.ServiceUnavailable("the server is shutting down; retry shortly",
+                                            retry_after_s=self.cfg.retry_after_s)
         gen = self._handles[model_id].handle.remote(endpoint.name, body, ctx.to_dict())
         self.transport = "object refs" if getattr(gen, "by_reference", True) else "grpc"
-        first = await self._first(model_id, gen)
+        first = await self._first(model_id, gen, start)
         ttft = time.monotonic() - start
+        if first["status"] == 503 and not first["stream"]:
+            # The replica's engine died (engine/watchdog.py): nothing ran. A ServiceUnavailable
+            # lets the pipeline fall back, or answer 503 with the gateway's Retry-After.
+            gen.cancel()
+            self.outage.saw_failure(model_id)
+            raise self._unavailable(model_id, "restarting its engine")
         if first["stream"]:
             return StreamingResponse(
                 self._relay(ledger, endpoint, first, gen, start, ttft),
@@ -108,15 +124,20 @@ class Forwarder:
             raise
         return b"".join(parts)
 
-    async def _first(self, model_id: str, gen: Any) -> Head:
-        """The model's head, or the error that stands for no answer."""
+    async def _first(self, model_id: str, gen: Any, start: float) -> Head:
+        """The model's head, or the error that stands for no answer. A model with no healthy
+        replica holds the request at most ``unavailable_hold_s`` (outage.py)."""
         try:
             async with asyncio.timeout(self.cfg.request_timeout_s):
-                first: Head = await gen.__anext__()
+                first: Head = await self.outage.first(model_id, gen.__anext__(), start)
                 return first
         except BackPressureError:
             raise self._unavailable(model_id, "at capacity") from None
+        except ModelDown:
+            gen.cancel()
+            raise self._unavailable(model_id, "down (no healthy replica)") from None
         except _UNAVAILABLE:
+            self.outage.saw_failure(model_id)
             raise self._unavailable(model_id, "unavailable") from None
         except TimeoutError:
             gen.cancel()
@@ -127,6 +148,7 @@ class Forwarder:
             raise errors.InternalError(f"model {model_id!r} returned no answer") from None
         except RayTaskError as exc:
             logger.error("model %s failed: %s", model_id, exc.__class__.__name__)
+            self.outage.saw_failure(model_id)
             raise self._unavailable(model_id, "failing") from None
         except BaseException:
             gen.cancel()  # the client went away (or this task was cancelled) before an answer
@@ -142,6 +164,7 @@ class Forwarder:
         so_far = first["tokens"] or tokens_of(0, 0)
         prompt, completion = so_far["prompt_tokens"], so_far["completion_tokens"]
         final: Tokens | None = None
+        stream = self.drain.track(gen.cancel)  # a graceful stop ends it cleanly (drain.py)
         try:
             if first["body"]:
                 yield first["body"]
@@ -157,7 +180,13 @@ class Forwarder:
                     continue
                 data, completion = item
                 yield data
-        except (asyncio.CancelledError, GeneratorExit, RequestCancelledError):
+        except (asyncio.CancelledError, RequestCancelledError):
+            if not stream.stopped:
+                raise  # the client went away
+            finished = True  # the app is stopping and the drain's time is up
+            yield stream_error(endpoint, errors.ServiceUnavailable(
+                "the server is shutting down; retry shortly", retry_after_s=self.cfg.retry_after_s))
+        except GeneratorExit:
             raise
         except Exception as exc:
             if isinstance(exc, TimeoutError):
@@ -166,11 +195,13 @@ class Forwarder:
                 )
             else:
                 logger.error("stream from %s broke: %s", model_id, exc.__class__.__name__)
+                self.outage.saw_failure(model_id)
                 err = self._unavailable(model_id, "unavailable")
             gen.cancel()  # stop the model's work before telling the client
             finished = True
             yield stream_error(endpoint, err)
         finally:
+            self.drain.done(stream)
             if not finished:
                 gen.cancel()
             out = Outcome(200, final or tokens_of(prompt, completion), ttft_s=ttft,
