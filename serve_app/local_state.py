@@ -73,8 +73,13 @@ def start_local_redis(state_dir: Path, timeout_s: float = 10.0,
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return LocalRedis(proc, port, state_dir)
+            # Ready means PONG: while it replays its append-only file, redis accepts connections
+            # but answers -LOADING to every command.
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(64).startswith(b"+PONG"):
+                    return LocalRedis(proc, port, state_dir)
+            raise OSError("redis-server is loading")
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
