@@ -38,6 +38,7 @@ def model_deployment_options(m: ModelConfig) -> dict[str, Any]:
         "health_check_period_s": d.health_check_period_s,
         "health_check_timeout_s": d.health_check_timeout_s,
         "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s,
+        "max_surge_percent": d.max_surge_percent,
         "ray_actor_options": actor_options(m),
         "placement_group_bundles": placement_bundles(m),
         "placement_group_strategy": placement_strategy(m),
@@ -65,5 +66,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         name=GATEWAY_DEPLOYMENT,
         num_replicas=g.num_replicas,
         max_ongoing_requests=g.max_ongoing_requests,
+        graceful_shutdown_timeout_s=g.graceful_shutdown_timeout_s,
+        max_surge_percent=g.max_surge_percent,
         ray_actor_options={"num_cpus": g.num_cpus},
     ).bind(cfg.model_dump(mode="json"), handles)

@@ -98,7 +98,17 @@ class DeploymentOptions(_Strict):
     max_queued_requests: int = Field(default=-1, ge=-1)
     health_check_period_s: PositiveFloat = 10.0
     health_check_timeout_s: PositiveFloat = 30.0
-    graceful_shutdown_timeout_s: float = Field(default=20.0, ge=0)
+    graceful_shutdown_timeout_s: float = Field(
+        default=20.0, ge=0,
+        description="How long a stopping replica may finish its in-flight requests (streams): "
+        "make it longer than the longest stream, so scale-down and updates fail nothing.",
+    )
+    max_surge_percent: int = Field(
+        default=0, ge=0, le=100,
+        description="Ray Serve's surge during a rolling update, as a share of the replica count: "
+        "with 100, each replacement starts before the old replica stops, so a one-replica model "
+        "keeps serving through a config change (it needs room for one more replica).",
+    )
 
     @field_validator("max_queued_requests")
     @classmethod
@@ -113,12 +123,21 @@ class DeploymentOptions(_Strict):
         return self.num_replicas or 1
 
     @property
+    def most_replicas(self) -> int:
+        """Replicas at the deployment's largest (``max_replicas`` when autoscaling)."""
+        return self.autoscaling_config.max_replicas if self.autoscaling_config else self.replicas
+
+    @property
     def capacity(self) -> int | None:
         """Requests the deployment holds at most (at its largest), running or queued; None if unbounded."""
+        return self.capacity_with(self.most_replicas)
+
+    def capacity_with(self, running: int) -> int | None:
+        """Requests the deployment holds with ``running`` replicas (at most ``most_replicas``)
+        running, queued included; None if unbounded."""
         if self.max_queued_requests == -1:
             return None
-        most = self.autoscaling_config.max_replicas if self.autoscaling_config else self.replicas
-        return self.max_ongoing_requests * most + self.max_queued_requests
+        return self.max_ongoing_requests * min(running, self.most_replicas) + self.max_queued_requests
 
     @model_validator(mode="after")
     def _one_scaling_mode(self) -> DeploymentOptions:
@@ -350,6 +369,26 @@ class GatewayConfig(_Strict):
         default=None,
         description="Shared limit counters for several gateway replicas, e.g. "
         "redis://127.0.0.1:6379/0.",
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        default=20.0, ge=0,
+        description="How long a stopping gateway replica may finish the streams it relays "
+        "(during an update or a scale-down): longer than the longest stream.",
+    )
+    max_surge_percent: int = Field(
+        default=0, ge=0, le=100,
+        description="Ray Serve's surge during a rolling update of the gateway (see the model "
+        "deployment's field of the same name).",
+    )
+    replicas_refresh_s: PositiveFloat = Field(
+        default=2.0,
+        description="How often each gateway replica reads the running replicas of every model "
+        "from Ray Serve; admission capacity and tier shedding follow that count.",
+    )
+    no_replica_wait_s: float = Field(
+        default=10.0, ge=0,
+        description="How long a request waits for a model with no running replica (starting, "
+        "restarting, its node lost) before it is answered 503 with Retry-After.",
     )
 
 

@@ -14,6 +14,7 @@ from serve_app.gateway.api import GatewayDeps, build_api
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.keys import KeyStore
 from serve_app.gateway.pipeline import Pipeline
+from serve_app.gateway.replicas import LiveReplicas, serve_status_fetch
 from serve_app.gateway.limits import LimitBackend, MemoryBackend, RedisBackend
 from serve_app.gateway.routing import Router
 from serve_app.gateway.usage import MemoryUsageStore, RedisUsageStore, Usage, UsageStore
@@ -32,11 +33,17 @@ class Gateway:
         store: UsageStore = RedisUsageStore(redis_url) if redis_url else MemoryUsageStore()
         router = Router(cfg)
         usage = Usage(store, GatewayMetrics.create(cfg))
+        self.replicas = LiveReplicas(
+            serve_status_fetch({m.id: m.deployment_name for m in cfg.models}),
+            cfg.gateway.replicas_refresh_s,
+        )
+        self.replicas.start()
+        self.admission = Admission(cfg, backend, self.replicas)
         self.deps = GatewayDeps(
             cfg=cfg,
             keys=KeyStore(Path(cfg.gateway.keys_file), cfg.gateway.keys_reload_interval_s),
             router=router,
-            pipeline=Pipeline(cfg, router, Admission(cfg, backend), Forwarder(handles, cfg.gateway), usage),
+            pipeline=Pipeline(cfg, router, self.admission, Forwarder(handles, cfg.gateway), usage),
             usage=usage,
         )
 
@@ -58,4 +65,17 @@ class Gateway:
             "peak_rss_bytes": peak,
             "keys_file": str(self.deps.keys.path),
             "model_transport": self.deps.pipeline.forwarder.transport,
+            # Each model's replicas running now and the admission bounds they give.
+            "models": {
+                m.id: {
+                    "running_replicas": self.admission.running(m.id),
+                    "capacity": (b := self.admission.bounds(m.id))[0],
+                    "saturation": b[1],
+                    "inflight": self.admission.inflight[m.id] * self.deps.cfg.gateway.num_replicas,
+                }
+                for m in self.deps.cfg.models
+            },
         }
+
+    def __del__(self) -> None:
+        self.replicas.stop()
