@@ -174,7 +174,9 @@ class AdmissionConfig(_Strict):
     saturation_requests: PositiveInt | None = Field(
         default=None,
         description="In-flight requests (all gateway replicas together) at which the model is "
-        "saturated; None disables tier shedding for this model (its capacity, from "
+        "saturated with all its replicas (max_replicas when autoscaling) running; the gateway "
+        "scales it by the share of replicas running now. None disables tier shedding for this "
+        "model (its capacity, from "
         "deployment.max_ongoing_requests and max_queued_requests, still applies).",
     )
     reserved_slots: NonNegativeInt = Field(
