@@ -68,5 +68,6 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         max_ongoing_requests=g.max_ongoing_requests,
         graceful_shutdown_timeout_s=g.graceful_shutdown_timeout_s,
         max_surge_percent=g.max_surge_percent,
-        ray_actor_options={"num_cpus": g.num_cpus},
+        ray_actor_options={"num_cpus": g.num_cpus,
+                           **({"resources": dict(g.resources)} if g.resources else {})},
     ).bind(cfg.model_dump(mode="json"), handles)

@@ -159,6 +159,11 @@ class Accelerator(_Strict):
     cpus_per_worker: PositiveFloat = Field(
         default=1.0, description="CPUs reserved for each engine worker (each tensor-parallel rank)."
     )
+    resources: dict[str, PositiveFloat] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each replica needs (in its first placement bundle), to "
+        "place the model on nodes started with them, e.g. {model_node: 0.01}.",
+    )
 
     @model_validator(mode="after")
     def _type_needs_gpu(self) -> Accelerator:
@@ -367,6 +372,10 @@ class GatewayConfig(_Strict):
     num_replicas: PositiveInt = 1
     max_ongoing_requests: PositiveInt = 1024
     num_cpus: float = Field(default=0.5, ge=0)
+    resources: dict[str, PositiveFloat] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each gateway replica needs, to place it on given nodes.",
+    )
     redis_url: str | None = Field(
         default=None,
         description="Shared limit counters for several gateway replicas, e.g. "

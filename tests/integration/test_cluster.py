@@ -312,3 +312,60 @@ def test_config_change_while_streams_are_in_flight_fails_none(deployed: Deployed
         assert time.monotonic() - t_key < 15, r.text
         time.sleep(0.1)
     print(f"[cluster] a key created after the update works in {time.monotonic() - t_key:.1f} s")
+
+
+# ---- tensor parallelism on CPU ---------------------------------------------------------------------
+TP2 = "tiny-chat-tp2"
+PROMPTS = ["hello there", "the quick brown fox", "tell me about ray serve"]
+
+
+def with_tp2(args: dict[str, Any]) -> None:
+    """The updated config plus the same chat model with tensor_parallel_size 2: vLLM's mp executor
+    (the only one vLLM allows on CPU), one rank per core by explicit thread binding."""
+    changed_config(args)
+    tiny = next(m for m in args["models"] if m["id"] == "tiny-chat")
+    args["models"].append({
+        "id": TP2, "source": tiny["source"],
+        "engine": {**tiny["engine"], "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+        "deployment": {"num_replicas": 1, "max_ongoing_requests": 12, "max_queued_requests": 32},
+        "accelerator": {"kind": "cpu", "cpus_per_worker": 1},
+        "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    })
+
+
+def _greedy(c: OpenAI, model: str) -> list[str]:
+    out = []
+    for p in PROMPTS:
+        r = c.completions.create(model=model, prompt=p, max_tokens=24, temperature=0)
+        out.append(r.choices[0].text)
+    return out
+
+
+def test_tensor_parallel_2_on_cpu_places_one_bundle_and_matches_tp1(deployed: Deployed) -> None:
+    d = deployed
+    c = d.cluster
+    cfg = write_config(CONFIG, c.workdir, c.http_port, d.keys_file, d.redis_url, with_tp2,
+                       name="serve-tp2.yaml")
+    t0 = time.monotonic()
+    c.deploy(cfg)
+    c.wait_running(timeout_s=400, what="the app with a TP=2 model", ready=lambda app: "model-" + TP2 in (
+        app.get("deployments") or {}) and all(dep.get("status") == "HEALTHY"
+                                              for dep in app["deployments"].values()))
+    print(f"\n[cluster] TP=2 model deployed in {time.monotonic() - t0:.0f} s")
+    # Ray's state API: the replica's placement group holds one bundle with the CPUs of both ranks
+    # (on CPU the mp executor forks its workers inside the replica; on GPU: one bundle per rank).
+    done = c.run([str(Path(sys.executable).parent / "ray"), "list", "placement-groups", "--detail",
+                  "--format", "json", "--address", c.dashboard], timeout_s=60)
+    import json
+
+    groups = [g for g in json.loads(done.stdout) if g.get("state") == "CREATED"]
+    mine = [g for g in groups if "tp2" in (g.get("name") or "")] or [
+        g for g in groups if [b.get("unit_resources") for b in g.get("bundles") or []] == [{"CPU": 2.0}]]
+    print(f"[cluster] TP=2 placement group: {[(g.get('name'), g.get('strategy'), g.get('bundles')) for g in mine]}")
+    assert len(mine) == 1, groups
+    assert [b["unit_resources"] for b in mine[0]["bundles"]] == [{"CPU": 2.0}]
+    assert mine[0]["strategy"] == "STRICT_PACK"
+    client = d.client()
+    tp1, tp2 = _greedy(client, "tiny-chat"), _greedy(client, TP2)
+    print(f"[cluster] greedy TP=1 {tp1!r}\n[cluster] greedy TP=2 {tp2!r}")
+    assert tp1 == tp2 and all(tp1)
