@@ -43,7 +43,7 @@ class Gateway:
             cfg=cfg,
             keys=KeyStore(Path(cfg.gateway.keys_file), cfg.gateway.keys_reload_interval_s),
             router=router,
-            pipeline=Pipeline(cfg, router, self.admission, Forwarder(handles, cfg.gateway), usage),
+            pipeline=Pipeline(cfg, router, self.admission, Forwarder(handles, cfg.gateway, self.replicas), usage),
             usage=usage,
         )
 

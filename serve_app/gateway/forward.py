@@ -28,6 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from serve_app import errors
 from serve_app.config import GatewayConfig
 from serve_app.gateway.ledger import Ledger, Outcome
+from serve_app.gateway.replicas import LiveReplicas
 from serve_app.protocol import Endpoint, Head, RequestContext, Tokens, stream_error, tokens_of
 
 logger = logging.getLogger("ray.serve")
@@ -40,11 +41,13 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class Forwarder:
     """Calls model deployments through their handles (one handle per model id)."""
 
-    def __init__(self, handles: Mapping[str, Any], cfg: GatewayConfig) -> None:
+    def __init__(self, handles: Mapping[str, Any], cfg: GatewayConfig,
+                 replicas: LiveReplicas | None = None) -> None:
         self._handles = {
             model_id: h.options(stream=True) for model_id, h in handles.items()
         }
         self.cfg = cfg
+        self._replicas = replicas
         self._pending: set[asyncio.Task[None]] = set()
         # How the last call travelled: "grpc" (Ray Serve's throughput mode) or "object refs"
         # (Ray's default). In the replica's diagnostics (serve-app diagnose); a test checks it.
@@ -89,8 +92,10 @@ class Forwarder:
         """The model's head, or the error that stands for no answer."""
         try:
             async with asyncio.timeout(self.cfg.request_timeout_s):
-                first: Head = await gen.__anext__()
-                return first
+                return await self._head(model_id, gen)
+        except errors.ServiceUnavailable:
+            gen.cancel()
+            raise
         except BackPressureError:
             raise self._unavailable(model_id, "at capacity") from None
         except _UNAVAILABLE:
@@ -108,6 +113,31 @@ class Forwarder:
         except BaseException:
             gen.cancel()  # the client went away (or this task was cancelled) before an answer
             raise
+
+    async def _head(self, model_id: str, gen: Any) -> Head:
+        """The model's head. A request that Ray Serve holds for a replica that is gone (its node
+        lost) would wait until a new one runs; once the model has had no running replica for
+        ``no_replica_wait_s``, it is answered 503 instead."""
+        if self._replicas is None:
+            first: Head = await gen.__anext__()
+            return first
+        head = asyncio.ensure_future(gen.__anext__())
+        none_since: float | None = None
+        try:
+            while True:
+                done, _ = await asyncio.wait({head}, timeout=0.5)
+                if done:
+                    return head.result()  # type: ignore[no-any-return]
+                if self._replicas.running(model_id) != 0:
+                    none_since = None
+                    continue
+                now = time.monotonic()
+                none_since = now if none_since is None else none_since
+                if now - none_since >= self.cfg.no_replica_wait_s:
+                    raise self._unavailable(model_id, "without a running replica")
+        finally:
+            if not head.done():
+                head.cancel()
 
     async def _relay(
         self, ledger: Ledger, endpoint: Endpoint, first: Head, gen: Any, start: float, ttft: float

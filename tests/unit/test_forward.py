@@ -332,3 +332,28 @@ def test_stream_cut_short_is_charged_the_engines_count_not_events() -> None:
     _run(scenario())
     assert gen.cancelled
     assert [o.tokens for o in ledger.outcomes] == [tokens_of(40, 12)]
+
+
+# ---- a model whose replicas are gone -----------------------------------------------------------
+def test_a_request_held_for_a_lost_replica_is_answered_503_once_none_runs() -> None:
+    from serve_app.gateway.replicas import LiveReplicas
+
+    counts = {"tiny-chat": 1}
+    live = LiveReplicas(lambda: dict(counts), 1.0)
+    live.refresh()
+    gen = FakeGen([HANG])
+    handle = FakeHandle(gen)
+    fwd = Forwarder({"tiny-chat": handle}, GatewayConfig(retry_after_s=7, no_replica_wait_s=0.5), live)
+
+    async def run() -> None:
+        task = asyncio.create_task(_forward(fwd))
+        await asyncio.sleep(1.0)
+        assert not task.done()  # a running replica: the request waits for its answer
+        counts["tiny-chat"] = 0  # the node is lost and the controller counts no replica
+        live.refresh()
+        with pytest.raises(errors.ServiceUnavailable) as exc_info:
+            await asyncio.wait_for(task, 3)
+        assert exc_info.value.headers["Retry-After"] == "7"
+
+    _run(run())
+    assert gen.cancelled
