@@ -358,13 +358,15 @@ def test_tensor_parallel_2_on_cpu_places_one_bundle_and_matches_tp1(deployed: De
                   "--format", "json", "--address", c.dashboard], timeout_s=60)
     import json
 
+    def resources(g: dict[str, Any]) -> list[dict[str, float]]:
+        return [b.get("unit_resources") or b.get("unitResources") or {} for b in g.get("bundles") or []]
+
+    # Ray Serve names a replica's placement group after the replica: SERVE_REPLICA::llm#<deployment>#id
     groups = [g for g in json.loads(done.stdout) if g.get("state") == "CREATED"]
-    mine = [g for g in groups if "tp2" in (g.get("name") or "")] or [
-        g for g in groups if [b.get("unit_resources") for b in g.get("bundles") or []] == [{"CPU": 2.0}]]
-    print(f"[cluster] TP=2 placement group: {[(g.get('name'), g.get('strategy'), g.get('bundles')) for g in mine]}")
+    mine = [g for g in groups if f"#model-{TP2}#" in (g.get("name") or "")]
+    print(f"[cluster] TP=2 placement group: {[(g.get('name'), resources(g)) for g in mine]}")
     assert len(mine) == 1, groups
-    assert [b["unit_resources"] for b in mine[0]["bundles"]] == [{"CPU": 2.0}]
-    assert mine[0]["strategy"] == "STRICT_PACK"
+    assert resources(mine[0]) == [{"CPU": 2.0}]
     client = d.client()
     tp1, tp2 = _greedy(client, "tiny-chat"), _greedy(client, TP2)
     print(f"[cluster] greedy TP=1 {tp1!r}\n[cluster] greedy TP=2 {tp2!r}")
