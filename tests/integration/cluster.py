@@ -51,6 +51,9 @@ def cluster_env(run_dir: Path) -> dict[str, str]:
 
     env = dict(os.environ)
     env.update(front_door.haproxy_env(run_dir, HOST, front_door.haproxy_binary()))
+    # serve-app run shortens this for a quick Ctrl-C; a cluster keeps Ray's default, so HAProxy
+    # stops sending new requests to a stopping gateway replica before it closes (updates).
+    env.pop("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", None)
     env.update({
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
         "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": IMPORT_PATH,
