@@ -90,8 +90,9 @@ class RayCluster:
         return f"http://{HOST}:{self.http_port}/v1"
 
     def run(self, argv: Sequence[str], timeout_s: float = 300, check: bool = True,
-            extra_env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        env = {**self.env, **(extra_env or {})}
+            extra_env: Mapping[str, str] | None = None,
+            base_env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        env = {**(self.env if base_env is None else base_env), **(extra_env or {})}
         done = subprocess.run(list(argv), cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=timeout_s)
         if check and done.returncode != 0:
@@ -154,12 +155,20 @@ class RayCluster:
 
     def diagnose(self) -> dict[str, Any]:
         """The gateway's diagnostics through ``serve-app diagnose`` (running replicas, bounds)."""
-        done = self.run([sys.executable, "-m", "serve_app.cli", "diagnose"], timeout_s=60,
-                        extra_env={"RAY_ADDRESS": f"{HOST}:{self.gcs_port}"})
+        done = self.diagnose_raw()
         for line in done.stdout.splitlines():
             if line.startswith("gateway: "):
                 return json.loads(line.removeprefix("gateway: "))  # type: ignore[no-any-return]
         raise RuntimeError(f"no gateway line in serve-app diagnose:\n{done.stdout[-2000:]}")
+
+    def diagnose_raw(self) -> subprocess.CompletedProcess[str]:
+        """``serve-app diagnose`` as an operator runs it: a driver connected to the cluster, in a
+        plain environment (Ray Serve's throughput mode needs an event loop in a handle's caller)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+        return self.run([sys.executable, "-m", "serve_app.cli", "diagnose"], timeout_s=60,
+                        base_env=env, extra_env={"RAY_ADDRESS": f"{HOST}:{self.gcs_port}",
+                                                 "RAY_AUTH_MODE": "token",
+                                                 "PYTHONPATH": self.env["PYTHONPATH"]})
 
     def shutdown(self) -> None:
         self.run([str(BIN / "serve"), "shutdown", "-a", self.dashboard, "-y"], timeout_s=180)

@@ -258,8 +258,7 @@ def _engine_seqs(c: RayCluster) -> int | None:
     """max_num_seqs of the chat replica that answers ``serve-app diagnose``."""
     import json
 
-    done = c.run([sys.executable, "-m", "serve_app.cli", "diagnose"], timeout_s=60,
-                 extra_env={"RAY_ADDRESS": f"127.0.0.1:{c.gcs_port}"})
+    done = c.diagnose_raw()
     for line in done.stdout.splitlines():
         if line.startswith(f"{CHAT}: "):
             return json.loads(line.split(": ", 1)[1]).get("max_num_seqs")  # type: ignore[no-any-return]
