@@ -54,18 +54,3 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-
-
-# Run order by marker (a stable sort, so the collection order holds within each group). Tests
-# marked `cluster` start a Ray cluster of their own and `ray stop` it, so they run first, before
-# any test starts the session stack. Other hooks may add their own groups to this table.
-RUN_ORDER = {"cluster": -1}
-
-
-def run_group(item: pytest.Item) -> int:
-    return min((g for name, g in RUN_ORDER.items() if item.get_closest_marker(name)), default=0)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=run_group)
