@@ -39,6 +39,7 @@ def model_deployment_options(m: ModelConfig) -> dict[str, Any]:
         "health_check_period_s": d.health_check_period_s,
         "health_check_timeout_s": d.health_check_timeout_s,
         "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s,
+        "max_surge_percent": d.max_surge_percent,
         "ray_actor_options": actor_options(m),
         "placement_group_bundles": placement_bundles(m),
         "placement_group_strategy": placement_strategy(m),
@@ -69,5 +70,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         # Ray Serve waits this long for the gateway's streams before it kills it: the drain's
         # bound plus a margin, so that no stream is cut mid-way (gateway/drain.py).
         graceful_shutdown_timeout_s=g.drain_timeout_s + DRAIN_MARGIN_S,
-        ray_actor_options={"num_cpus": g.num_cpus},
+        max_surge_percent=g.max_surge_percent,
+        ray_actor_options={"num_cpus": g.num_cpus,
+                           **({"resources": dict(g.resources)} if g.resources else {})},
     ).bind(cfg.model_dump(mode="json"), handles)

@@ -98,7 +98,17 @@ class DeploymentOptions(_Strict):
     max_queued_requests: int = Field(default=-1, ge=-1)
     health_check_period_s: PositiveFloat = 10.0
     health_check_timeout_s: PositiveFloat = 30.0
-    graceful_shutdown_timeout_s: float = Field(default=20.0, ge=0)
+    graceful_shutdown_timeout_s: float = Field(
+        default=20.0, ge=0,
+        description="How long a stopping replica may finish its in-flight requests (streams): "
+        "make it longer than the longest stream, so scale-down and updates fail nothing.",
+    )
+    max_surge_percent: int = Field(
+        default=0, ge=0, le=100,
+        description="Ray Serve's surge during a rolling update, as a share of the replica count: "
+        "with 100, each replacement starts before the old replica stops, so a one-replica model "
+        "keeps serving through a config change (it needs room for one more replica).",
+    )
 
     @field_validator("max_queued_requests")
     @classmethod
@@ -113,12 +123,21 @@ class DeploymentOptions(_Strict):
         return self.num_replicas or 1
 
     @property
+    def most_replicas(self) -> int:
+        """Replicas at the deployment's largest (``max_replicas`` when autoscaling)."""
+        return self.autoscaling_config.max_replicas if self.autoscaling_config else self.replicas
+
+    @property
     def capacity(self) -> int | None:
         """Requests the deployment holds at most (at its largest), running or queued; None if unbounded."""
+        return self.capacity_with(self.most_replicas)
+
+    def capacity_with(self, running: int) -> int | None:
+        """Requests the deployment holds with ``running`` replicas (at most ``most_replicas``)
+        running, queued included; None if unbounded."""
         if self.max_queued_requests == -1:
             return None
-        most = self.autoscaling_config.max_replicas if self.autoscaling_config else self.replicas
-        return self.max_ongoing_requests * most + self.max_queued_requests
+        return self.max_ongoing_requests * min(running, self.most_replicas) + self.max_queued_requests
 
     @model_validator(mode="after")
     def _one_scaling_mode(self) -> DeploymentOptions:
@@ -140,6 +159,11 @@ class Accelerator(_Strict):
     cpus_per_worker: PositiveFloat = Field(
         default=1.0, description="CPUs reserved for each engine worker (each tensor-parallel rank)."
     )
+    resources: dict[str, PositiveFloat] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each replica needs (in its first placement bundle), to "
+        "place the model on nodes started with them, e.g. {model_node: 0.01}.",
+    )
 
     @model_validator(mode="after")
     def _type_needs_gpu(self) -> Accelerator:
@@ -155,7 +179,9 @@ class AdmissionConfig(_Strict):
     saturation_requests: PositiveInt | None = Field(
         default=None,
         description="In-flight requests (all gateway replicas together) at which the model is "
-        "saturated; None disables tier shedding for this model (its capacity, from "
+        "saturated with all its replicas (max_replicas when autoscaling) running; the gateway "
+        "scales it by the share of replicas running now. None disables tier shedding for this "
+        "model (its capacity, from "
         "deployment.max_ongoing_requests and max_queued_requests, still applies).",
     )
     reserved_slots: NonNegativeInt = Field(
@@ -364,10 +390,24 @@ class GatewayConfig(_Strict):
     num_replicas: PositiveInt = 1
     max_ongoing_requests: PositiveInt = 1024
     num_cpus: float = Field(default=0.5, ge=0)
+    resources: dict[str, PositiveFloat] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each gateway replica needs, to place it on given nodes.",
+    )
     redis_url: str | None = Field(
         default=None,
         description="Shared limit counters for several gateway replicas, e.g. "
         "redis://127.0.0.1:6379/0.",
+    )
+    max_surge_percent: int = Field(
+        default=0, ge=0, le=100,
+        description="Ray Serve's surge during a rolling update of the gateway (see the model "
+        "deployment's field of the same name).",
+    )
+    replicas_refresh_s: PositiveFloat = Field(
+        default=2.0,
+        description="How often each gateway replica reads the running replicas of every model "
+        "from Ray Serve; admission capacity and tier shedding follow that count.",
     )
 
 

@@ -54,6 +54,7 @@ class ModelServer:
         has made for streamed requests since the replica started."""
         return {
             "model": self.cfg.id,
+            "max_num_seqs": self.cfg.engine.max_num_seqs,
             "unfinished_requests": self.server.unfinished_requests(),
             "waiting_for_slot": self.server.waiting_for_slot(),
             "streamed_tokens": self.server.streamed_tokens,

@@ -18,11 +18,13 @@ from serve_app.config import ModelConfig
 def placement_bundles(cfg: ModelConfig) -> list[dict[str, float]]:
     acc = cfg.accelerator
     if acc.kind == "cpu":
-        return [{"CPU": acc.cpus_per_worker * cfg.world_size}]
+        return [{"CPU": acc.cpus_per_worker * cfg.world_size, **acc.resources}]
     bundle: dict[str, float] = {"CPU": acc.cpus_per_worker, "GPU": 1.0}
     if acc.type:
         bundle[f"accelerator_type:{acc.type}"] = 0.001
-    return [dict(bundle) for _ in range(cfg.world_size)]
+    bundles = [dict(bundle) for _ in range(cfg.world_size)]
+    bundles[0].update(acc.resources)  # the replica actor's bundle
+    return bundles
 
 
 def placement_strategy(cfg: ModelConfig) -> str:
@@ -38,6 +40,8 @@ def actor_options(cfg: ModelConfig) -> dict[str, Any]:
     else:
         num_cpus = acc.cpus_per_worker
     opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": 0}
+    if acc.resources:
+        opts["resources"] = dict(acc.resources)
     if cfg.env:
         opts["runtime_env"] = {"env_vars": dict(cfg.env)}
     return opts

@@ -6,17 +6,23 @@ configured limit at once (key and tier, RPM, TPM and concurrency). The returned 
 settled exactly once when the request ends, with the real token usage.
 
 A model has room for a key when its in-flight requests (this replica's count, scaled to all
-gateway replicas) are below both its capacity (``max_ongoing_requests`` x replicas +
+gateway replicas) are below both its capacity (``max_ongoing_requests`` x running replicas +
 ``max_queued_requests``; 503 for every tier) and its tier's share of ``saturation_requests`` (503
-for that tier). The gateway enforces the capacity itself: Ray Serve's ``max_queued_requests`` is
+for that tier). ``saturation_requests`` is given for the model at its largest (``max_replicas``),
+and both bounds follow the replicas running now (``replicas.LiveReplicas``), so that an
+autoscaled model running one replica sheds batch at the right point and grows its bounds when it
+scales up. A model with no running replica is waited for (``gateway.unavailable_hold_s``, the
+same bound the forwarder holds a request for a model that went down), then refused with 503. The gateway enforces the capacity itself: Ray Serve's ``max_queued_requests`` is
 counted per caller and only for requests waiting to be routed, so a burst can pass it. The slot is
 taken in the same step as the check, with no ``await`` between, so a burst cannot pass it here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +31,7 @@ from typing import Any
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord, Limits, TierConfig
 from serve_app.gateway.limits import Charge, LimitBackend, Verdict, clock
+from serve_app.gateway.replicas import LiveReplicas
 
 logger = logging.getLogger("ray.serve")
 
@@ -63,15 +70,45 @@ def _requested_max_tokens(body: dict[str, Any]) -> Any:
 class Admission:
     """Limits and shedding for one gateway replica (counters may be shared through Redis)."""
 
-    def __init__(self, cfg: AppConfig, backend: LimitBackend) -> None:
+    def __init__(self, cfg: AppConfig, backend: LimitBackend,
+                 replicas: LiveReplicas | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
+        self.replicas = replicas
         self.inflight: dict[str, int] = defaultdict(int)
-        self._saturation = {
-            m.id: m.admission.saturation_requests for m in cfg.models
-        }
-        self._capacity = {m.id: m.deployment.capacity for m in cfg.models}
+        self._models = {m.id: m for m in cfg.models}
         self._context = {m.id: m.engine.max_model_len for m in cfg.models}
+
+    def running(self, model_id: str) -> int:
+        """Replicas of the model running now, or its configured count while that is unknown."""
+        live = self.replicas.running(model_id) if self.replicas is not None else None
+        if live is not None:
+            return live
+        m = self._models.get(model_id)
+        return m.deployment.most_replicas if m is not None else 1
+
+    def bounds(self, model_id: str) -> tuple[int | None, float | None]:
+        """(capacity, saturation) of the model for the replicas running now; None: unbounded."""
+        m = self._models.get(model_id)
+        if m is None:
+            return None, None
+        running = self.running(model_id)
+        capacity = m.deployment.capacity_with(running)
+        sat = m.admission.saturation_requests
+        most = m.deployment.most_replicas
+        saturation = None if sat is None else sat * min(running, most) / most
+        return capacity, saturation
+
+    async def _wait_for_replica(self, model_ids: Sequence[str]) -> None:
+        """While no candidate model has a running replica (starting, being replaced, its node
+        lost), wait up to ``gateway.unavailable_hold_s`` for one; then admission refuses."""
+        if self.replicas is None or any(self.running(m) > 0 for m in model_ids):
+            return
+        deadline = time.monotonic() + self.cfg.gateway.unavailable_hold_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(min(0.2, self.cfg.gateway.replicas_refresh_s))
+            if any(self.running(m) > 0 for m in model_ids):
+                return
 
     def tier(self, key: KeyRecord) -> TierConfig:
         return self.cfg.tiers.get(key.tier) or self.cfg.tiers[self.cfg.default_tier]
@@ -126,6 +163,7 @@ class Admission:
         """Admit on the first of ``model_ids`` with room (the primary, then its fallback)."""
         completion = self.clamp_max_tokens(body, key)
         prompt = math.ceil(body_bytes / _BYTES_PER_TOKEN)
+        await self._wait_for_replica(model_ids)
         model_id = self._take_slot(key, model_ids)
         # The engine never makes more than the context left after the prompt (agents ask for
         # 32k-64k max_tokens), so the reservation is clamped to it, and one turn does not take a
@@ -202,14 +240,17 @@ class Admission:
         # Each gateway replica sees its share of the traffic; scale its count to the whole.
         load = self.inflight[model_id] * self.cfg.gateway.num_replicas
         retry = self.cfg.gateway.retry_after_s
-        capacity = self._capacity.get(model_id)
+        if self.running(model_id) == 0:
+            return errors.ServiceUnavailable(
+                f"model {model_id!r} has no running replica. Retry shortly.", retry_after_s=retry,
+            )
+        capacity, saturation = self.bounds(model_id)
         if capacity is not None and load >= capacity:
             return errors.ServiceUnavailable(
                 f"model {model_id!r} is at capacity ({capacity} requests running or queued). "
                 "Retry shortly.",
                 retry_after_s=retry,
             )
-        saturation = self._saturation.get(model_id)
         tier = self.tier(key)
         if saturation is not None and tier.shed_at < 1.0 and load >= tier.shed_at * saturation:
             return errors.Shed(

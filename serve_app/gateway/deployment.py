@@ -15,8 +15,9 @@ from serve_app.gateway.api import GatewayDeps, build_api
 from serve_app.gateway.drain import Drain, app_deleting_from_status
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.keys import KeyStore
-from serve_app.gateway.outage import OutageGuard, running_replicas_from_status
+from serve_app.gateway.outage import OutageGuard
 from serve_app.gateway.pipeline import Pipeline
+from serve_app.gateway.replicas import LiveReplicas, serve_status_fetch
 from serve_app.gateway.limits import LimitBackend, MemoryBackend, RedisBackend
 from serve_app.gateway.routing import Router
 from serve_app.gateway.usage import MemoryUsageStore, RedisUsageStore, Usage, UsageStore
@@ -43,15 +44,22 @@ class Gateway:
         store: UsageStore = RedisUsageStore(redis_url) if redis_url else MemoryUsageStore()
         router = Router(cfg)
         usage = Usage(store, GatewayMetrics.create(cfg))
-        outage = OutageGuard(cfg.gateway.unavailable_hold_s, running_replicas_from_status(
-            _app_name(), {m.id: m.deployment_name for m in cfg.models}))
+        # One reader of Ray Serve's status: running replicas per model, refreshed in a thread.
+        # Admission sizes its bounds by them; the outage guard asks them whether a model is down.
+        self.replicas = LiveReplicas(
+            serve_status_fetch({m.id: m.deployment_name for m in cfg.models}),
+            cfg.gateway.replicas_refresh_s,
+        )
+        self.replicas.start()
+        self.admission = Admission(cfg, backend, self.replicas)
+        outage = OutageGuard(cfg.gateway.unavailable_hold_s, self.replicas.snapshot)
         drain = Drain(cfg.gateway.drain_timeout_s, app_deleting_from_status(_app_name()))
         forwarder = Forwarder(handles, cfg.gateway, outage, drain)
         self.deps = GatewayDeps(
             cfg=cfg,
             keys=KeyStore(Path(cfg.gateway.keys_file), cfg.gateway.keys_reload_interval_s),
             router=router,
-            pipeline=Pipeline(cfg, router, Admission(cfg, backend), forwarder, usage),
+            pipeline=Pipeline(cfg, router, self.admission, forwarder, usage),
             usage=usage,
         )
 
@@ -73,4 +81,17 @@ class Gateway:
             "peak_rss_bytes": peak,
             "keys_file": str(self.deps.keys.path),
             "model_transport": self.deps.pipeline.forwarder.transport,
+            # Each model's replicas running now and the admission bounds they give.
+            "models": {
+                m.id: {
+                    "running_replicas": self.admission.running(m.id),
+                    "capacity": (b := self.admission.bounds(m.id))[0],
+                    "saturation": b[1],
+                    "inflight": self.admission.inflight[m.id] * self.deps.cfg.gateway.num_replicas,
+                }
+                for m in self.deps.cfg.models
+            },
         }
+
+    def __del__(self) -> None:
+        self.replicas.stop()

@@ -7,7 +7,8 @@ for a model's first answer as before, but once a request has waited ``gateway.un
 ``service_unavailable`` with ``Retry-After``.
 
 A model counts as down when either
-- Ray Serve's public status (``serve.status()``) shows none of its replicas RUNNING, or
+- Ray Serve's public status (``serve.status()``, read by ``replicas.LiveReplicas``) shows none of
+  its replicas RUNNING, or
 - this gateway saw one of its replicas fail (a stream cut by a dead replica, an answer "engine
   dead") and no answer from the model since: the controller notices a dead replica only at its
   next health check, the gateway at once.
@@ -22,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from typing import TypeVar
 
 logger = logging.getLogger("ray.serve")
 
@@ -33,25 +34,6 @@ StatusFn = Callable[[], Mapping[str, int | None]]
 
 class ModelDown(Exception):
     """The model had no healthy replica for the whole hold."""
-
-
-def running_replicas_from_status(app_name: str, deployments: Mapping[str, str]) -> StatusFn:
-    """Running replica counts per model id, read from Ray Serve's public ``serve.status()``
-    (None: the deployment is unknown to the controller)."""
-
-    def read() -> dict[str, int | None]:
-        from ray import serve
-
-        app = serve.status().applications.get(app_name)
-        out: dict[str, int | None] = {}
-        for model_id, name in deployments.items():
-            d = app.deployments.get(name) if app is not None else None
-            # Keys are ReplicaState, a str enum: "RUNNING" finds them.
-            states: Mapping[Any, int] = d.replica_states if d is not None else {}
-            out[model_id] = None if d is None else int(states.get("RUNNING", 0))
-        return out
-
-    return read
 
 
 class OutageGuard:

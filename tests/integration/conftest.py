@@ -114,3 +114,11 @@ def serve_handles(stack: Stack) -> Any:
         return serve.get_deployment_handle(name, app_name="llm")
 
     return get
+
+
+# Tests marked `cluster` start a Ray cluster of their own and `ray stop` it, so they run first,
+# before any test starts the session stack. tryfirst: this sort runs before tests/conftest.py's
+# hook, whose stable sort (faults, soak, stops_stack last) keeps them first.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: 0 if item.get_closest_marker("cluster") else 1)

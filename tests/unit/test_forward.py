@@ -361,3 +361,30 @@ def test_answer_cut_between_its_parts_is_503_not_a_truncated_200() -> None:
     fwd, _ = _forwarder(gen)
     with pytest.raises(errors.ServiceUnavailable):
         _run(_forward(fwd))
+
+
+# ---- a model whose replicas are gone -----------------------------------------------------------
+def test_a_request_held_for_a_lost_replica_is_answered_503_once_none_runs() -> None:
+    from serve_app.gateway.outage import OutageGuard
+    from serve_app.gateway.replicas import LiveReplicas
+
+    counts = {"tiny-chat": 1}
+    live = LiveReplicas(lambda: dict(counts), 1.0)
+    live.refresh()
+    gen = FakeGen([HANG])
+    handle = FakeHandle(gen)
+    cfg = GatewayConfig(retry_after_s=7, unavailable_hold_s=0.5)
+    fwd = Forwarder({"tiny-chat": handle}, cfg, OutageGuard(cfg.unavailable_hold_s, live.snapshot))
+
+    async def run() -> None:
+        task = asyncio.create_task(_forward(fwd))
+        await asyncio.sleep(1.0)
+        assert not task.done()  # a running replica: the request waits for its answer
+        counts["tiny-chat"] = 0  # the node is lost and the controller counts no replica
+        live.refresh()
+        with pytest.raises(errors.ServiceUnavailable) as exc_info:
+            await asyncio.wait_for(task, 3)
+        assert exc_info.value.headers["Retry-After"] == "7"
+
+    _run(run())
+    assert gen.cancelled

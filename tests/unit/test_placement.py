@@ -80,3 +80,13 @@ def test_env_vars_go_to_runtime_env() -> None:
 
 def test_no_env_means_no_runtime_env() -> None:
     assert "runtime_env" not in actor_options(_cfg())
+
+
+def test_custom_resources_go_into_the_replica_bundle_and_its_actor() -> None:
+    cpu = _cfg(engine={"tensor_parallel_size": 2}, accelerator={"resources": {"model_node": 0.01}})
+    assert placement_bundles(cpu) == [{"CPU": 2.0, "model_node": 0.01}]
+    assert actor_options(cpu)["resources"] == {"model_node": 0.01}
+    gpu = _cfg(engine={"tensor_parallel_size": 2},
+               accelerator={"kind": "gpu", "resources": {"model_node": 0.01}})
+    assert placement_bundles(gpu) == [{"CPU": 1.0, "GPU": 1.0, "model_node": 0.01}, {"CPU": 1.0, "GPU": 1.0}]
+    _fits_in_first_bundle(gpu)

@@ -1,0 +1,165 @@
+"""Live replica counts: admission capacity and tier shedding follow the replicas running now."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from serve_app import errors
+from serve_app.config import AppConfig, KeyRecord, load_app_config
+from serve_app.gateway.admission import Admission
+from serve_app.gateway.limits import MemoryBackend
+from serve_app.gateway.replicas import LiveReplicas
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGEST = "sha256:" + "0" * 64
+PREMIUM = KeyRecord(id="p", digest=DIGEST, tier="premium")
+BATCH = KeyRecord(id="b", digest=DIGEST, tier="batch")
+
+
+class Counts:
+    """A fetch whose answer the test sets (or makes fail)."""
+
+    def __init__(self, **counts: int) -> None:
+        self.counts: dict[str, int] = dict(counts)
+        self.fail = False
+        self.calls = 0
+
+    def __call__(self) -> Mapping[str, int]:
+        self.calls += 1
+        if self.fail:
+            raise ConnectionError("controller unreachable")
+        return dict(self.counts)
+
+
+def _cfg(**gateway: Any) -> AppConfig:
+    return AppConfig.model_validate({
+        "tiers": {"premium": {"priority": 0, "shed_at": 1.0}, "batch": {"priority": 10, "shed_at": 0.5}},
+        "default_tier": "premium",
+        "gateway": {"unavailable_hold_s": 0.3, "replicas_refresh_s": 0.05, **gateway},
+        "models": [{
+            "id": "tiny", "source": "builtin:tiny-chat",
+            "deployment": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2},
+                           "max_ongoing_requests": 12, "max_queued_requests": 32},
+            "admission": {"saturation_requests": 40},
+        }],
+    })
+
+
+def _admit_many(adm: Admission, key: KeyRecord, n: int) -> list[Any]:
+    async def one() -> Any:
+        try:
+            return await adm.admit(key, ["tiny"], {"max_tokens": 8}, 100)
+        except errors.ServeAppError as exc:
+            return exc
+
+    async def run() -> list[Any]:
+        return [await one() for _ in range(n)]
+
+    return asyncio.run(run())
+
+
+def test_bounds_follow_the_running_replicas() -> None:
+    counts = Counts()
+    live = LiveReplicas(counts, 1.0)
+    adm = Admission(_cfg(), MemoryBackend(), live)
+    # Unknown yet: the configured largest size (max_replicas), as before live counts.
+    assert adm.bounds("tiny") == (12 * 2 + 32, 40)
+    counts.counts = {"tiny": 1}
+    live.refresh()
+    assert adm.running("tiny") == 1
+    assert adm.bounds("tiny") == (12 * 1 + 32, 20)
+    counts.counts = {"tiny": 2}
+    live.refresh()
+    assert adm.bounds("tiny") == (56, 40)
+    # A surge replica during an update adds no lasting capacity: bounded by max_replicas.
+    counts.counts = {"tiny": 3}
+    live.refresh()
+    assert adm.bounds("tiny") == (56, 40)
+
+
+def test_a_failed_refresh_keeps_the_last_counts() -> None:
+    counts = Counts(tiny=1)
+    live = LiveReplicas(counts, 1.0)
+    live.refresh()
+    counts.fail = True
+    live.refresh()
+    assert live.running("tiny") == 1
+
+
+def test_with_one_replica_batch_is_shed_at_its_share_and_premium_is_not() -> None:
+    live = LiveReplicas(Counts(tiny=1), 1.0)
+    live.refresh()
+    adm = Admission(_cfg(), MemoryBackend(), live)
+    batch = _admit_many(adm, BATCH, 15)
+    assert sum(not isinstance(r, Exception) for r in batch) == 10  # 0.5 x 20 at one replica
+    assert all(isinstance(r, errors.Shed) for r in batch if isinstance(r, Exception))
+    premium = _admit_many(adm, PREMIUM, 40)
+    assert sum(not isinstance(r, Exception) for r in premium) == 44 - 10  # up to the capacity
+    refused = [r for r in premium if isinstance(r, Exception)]
+    assert refused and all(type(r) is errors.ServiceUnavailable for r in refused)
+
+
+def test_no_running_replica_waits_then_answers_503() -> None:
+    live = LiveReplicas(Counts(tiny=0), 1.0)
+    live.refresh()
+    adm = Admission(_cfg(), MemoryBackend(), live)
+    t0 = time.monotonic()
+    [r] = _admit_many(adm, PREMIUM, 1)
+    waited = time.monotonic() - t0
+    assert isinstance(r, errors.ServiceUnavailable) and "no running replica" in r.message
+    assert r.headers["Retry-After"] and 0.25 <= waited < 2
+    assert adm.inflight["tiny"] == 0
+
+
+def test_a_replica_that_comes_up_while_waiting_is_used() -> None:
+    counts = Counts(tiny=0)
+    live = LiveReplicas(counts, 0.05)
+    live.refresh()
+    adm = Admission(_cfg(unavailable_hold_s=5.0), MemoryBackend(), live)
+    live.start()
+    try:
+        async def run() -> Any:
+            task = asyncio.create_task(adm.admit(PREMIUM, ["tiny"], {"max_tokens": 8}, 10))
+            await asyncio.sleep(0.2)
+            assert not task.done()
+            counts.counts = {"tiny": 1}
+            return await asyncio.wait_for(task, 3)
+
+        ticket = asyncio.run(run())
+    finally:
+        live.stop()
+    assert ticket.model_id == "tiny" and counts.calls >= 2
+
+
+def test_cluster_cpu_config_is_prod_layout_with_tiny_models() -> None:
+    prod = load_app_config(ROOT / "configs/prod.yaml")
+    cluster = load_app_config(ROOT / "configs/cluster-cpu.yaml")
+    assert list(cluster.tiers) == list(prod.tiers) and cluster.default_tier == prod.default_tier
+    assert [t.shed_at < 1.0 for t in cluster.tiers.values()] == [t.shed_at < 1.0 for t in prod.tiers.values()]
+    g = cluster.gateway
+    assert g.num_replicas == prod.gateway.num_replicas == 2 and g.redis_url
+    assert g.keys_file == prod.gateway.keys_file  # the mounted Secret
+    assert [m.task for m in cluster.models] == [m.task for m in prod.models]
+    chat = cluster.models[0]
+    assert chat.source == "builtin:tiny-chat" and chat.accelerator.kind == "cpu"
+    auto = chat.deployment.autoscaling_config
+    assert auto is not None and (auto.min_replicas, auto.max_replicas) == (1, 2)
+    # Streams drain on scale-down and updates; an update starts the new replica first.
+    for m in cluster.models:
+        assert m.deployment.graceful_shutdown_timeout_s >= 120 and m.deployment.max_surge_percent == 100
+    assert g.drain_timeout_s + 5 >= 120  # app.py: the gateway's graceful_shutdown_timeout_s
+
+
+def test_gateway_modules_load_no_engine_code() -> None:
+    code = ("import sys, serve_app.gateway.deployment, serve_app.gateway.replicas; "
+            "print(sorted(m for m in ('vllm', 'torch', 'transformers', 'serve_app.engine') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stderr[-2000:]
