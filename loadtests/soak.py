@@ -17,18 +17,23 @@ tests/integration/test_soak.py runs this module as a subprocess).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import signal
-import sys
-import tempfile
-import time
-from collections import Counter
-from pathlib import Path
-from typing import Any
+if __name__ == "__main__":  # locust's gevent must patch ssl before anything imports it
+    from gevent import monkey
 
-from loadtests.faults import OK_KINDS, classify, find_replicas
+    monkey.patch_all()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from loadtests.faults import OK_KINDS, classify, find_replicas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TIERS = ("premium", "standard", "batch")
