@@ -17,6 +17,7 @@ from ray import serve
 from serve_app.config import ModelConfig
 from serve_app.engine.server import EngineServer
 from serve_app.engine.sources import resolve_source
+from serve_app.engine.synthetic import SyntheticServer
 from serve_app.protocol import ENDPOINTS, RequestContext
 
 logger = logging.getLogger("ray.serve")
@@ -31,8 +32,12 @@ class ModelServer:
         self, model: dict[str, Any], cache_dir: str, top_priority: int = 0
     ) -> None:
         self.cfg = ModelConfig.model_validate(model)
-        path = await asyncio.to_thread(resolve_source, self.cfg.source, cache_dir)
-        self.server = EngineServer(self.cfg, path, top_priority)
+        self.server: EngineServer | SyntheticServer
+        if self.cfg.synthetic is not None:  # no engine: made-up tokens for gateway benchmarks
+            self.server = SyntheticServer(self.cfg)
+        else:
+            path = await asyncio.to_thread(resolve_source, self.cfg.source, cache_dir)
+            self.server = EngineServer(self.cfg, path, top_priority)
         try:
             await asyncio.wait_for(self.server.start(), self.cfg.startup_timeout_s)
         except TimeoutError:
