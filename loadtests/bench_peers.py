@@ -182,3 +182,25 @@ def deviations_markdown(peers: Sequence[str]) -> str:
         for d in DEVIATIONS.get(peer, ()):
             lines.append(f"- {peer}: {d}")
     return "\n".join(lines) + ("\n" if lines else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loadtests.bench_peers [--results-dir DIR] [PEER ...]``: make the peers' venvs now
+    (a few minutes the first time), so that the benchmark itself starts at once."""
+    import argparse
+
+    from loadtests.stack import ROOT
+
+    p = argparse.ArgumentParser(prog="python -m loadtests.bench_peers", description=main.__doc__)
+    p.add_argument("peers", nargs="*", default=list(DEVIATIONS))
+    p.add_argument("--results-dir", default=str(ROOT / "results" / "bench"))
+    ns = p.parse_args(argv)
+    dirs = venv_dirs(Path(ns.results_dir))
+    for peer in ns.peers:
+        python = ensure_venv(peer, dirs[peer], lambda m: print(f"[peers] {m}", flush=True))
+        print(f"[peers] {peer}: {python}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -168,3 +168,13 @@ def test_prefix_bench_serves_the_model_with_caching_on_and_off() -> None:
     assert on.engine.enable_prefix_caching is True and off.engine.enable_prefix_caching is False
     assert on.engine.max_model_len and on.engine.max_model_len >= 12_000
     assert on.env["VLLM_CPU_OMP_THREADS_BIND"] != off.env["VLLM_CPU_OMP_THREADS_BIND"]
+
+
+def test_a_peer_usage_the_benchmark_cannot_read_is_replaced_by_the_engine_count() -> None:
+    m = {"completed": 32, "total_output_tokens": 2498, "duration_s": 10.0, "output_tok_s": 249.8}
+    bench.engine_counts(m, 64)
+    assert m == {"completed": 32, "total_output_tokens": 2048, "duration_s": 10.0,
+                 "output_tok_s": 204.8, "reported_output_tokens": 2498}
+    exact = {"completed": 4, "total_output_tokens": 256, "duration_s": 1.0, "output_tok_s": 256.0}
+    bench.engine_counts(exact, 64)
+    assert "reported_output_tokens" not in exact
