@@ -150,14 +150,16 @@ def test_gateway_bench_config_is_valid_with_a_synthetic_model(replicas: int) -> 
     assert cfg.gateway.num_replicas == replicas
 
 
-def test_capacity_is_the_largest_step_within_the_ttft_budget() -> None:
-    steps = [{"streams": 16, "added_ttft_p50_ms": 2.0, "failed": 0},
-             {"streams": 64, "added_ttft_p50_ms": 4.9, "failed": 0},
-             {"streams": 128, "added_ttft_p50_ms": 9.0, "failed": 0},
-             {"streams": 256, "added_ttft_p50_ms": 3.0, "failed": 2}]
+def test_capacity_is_the_largest_step_within_the_ttft_budget_over_the_floor() -> None:
+    steps = [{"streams": 2, "added_ttft_p50_ms": 6.0, "failed": 0},
+             {"streams": 16, "added_ttft_p50_ms": 8.0, "failed": 0},
+             {"streams": 64, "added_ttft_p50_ms": 10.9, "failed": 0},
+             {"streams": 128, "added_ttft_p50_ms": 15.0, "failed": 0},
+             {"streams": 256, "added_ttft_p50_ms": 7.0, "failed": 2}]
+    assert bench_gateway.floor_ms(steps) == 6.0
     cap = bench_gateway.capacity(steps, 5.0)
     assert cap is not None and cap["streams"] == 64
-    assert bench_gateway.capacity(steps[2:3], 5.0) is None
+    assert bench_gateway.capacity([steps[0], steps[3]], 5.0) == steps[0]
 
 
 def test_prefix_bench_serves_the_model_with_caching_on_and_off() -> None:
