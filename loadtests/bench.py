@@ -320,6 +320,15 @@ def start_peers(ns: argparse.Namespace, model_id: str, args: dict[str, Any], dir
     return out
 
 
+def side_order(sides: tuple[str, ...], step: int) -> list[str]:
+    """The order of the sides at a step: two sides alternate (as ``make bench`` always did), more
+    rotate, so that each side goes first equally often."""
+    if len(sides) == 2:
+        return list(sides) if step % 2 else list(reversed(sides))
+    k = step % len(sides)
+    return list(sides[k:] + sides[:k])
+
+
 def engine_counts(m: dict[str, Any], output_len: int) -> None:
     """A peer's output tokens as the engine made them: with ``--ignore-eos`` every completed request
     has exactly ``output_len``. vLLM's benchmark reads the usage only from a chunk without choices;
@@ -399,10 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(1, ns.repeats + 1):
             for i, c in enumerate(ns.concurrencies):
                 # Rotate which side goes first, so a drift in machine load hits every side alike.
-                k = (r + i) % len(ns.sides)
-                order = list(ns.sides[k:] + ns.sides[:k])
-                if len(ns.sides) == 2 and (r + i) % 2:
-                    order = list(ns.sides)
+                order = side_order(ns.sides, r + i)
                 say(f"repeat {r}/{ns.repeats}, concurrency {c}, {prompts_for(ns, c)} prompts "
                     f"({' then '.join(order)})")
                 pair: dict[str, dict[str, Any]] = {}

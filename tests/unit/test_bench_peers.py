@@ -180,3 +180,12 @@ def test_a_peer_usage_the_benchmark_cannot_read_is_replaced_by_the_engine_count(
     exact = {"completed": 4, "total_output_tokens": 256, "duration_s": 1.0, "output_tok_s": 256.0}
     bench.engine_counts(exact, 64)
     assert "reported_output_tokens" not in exact
+
+
+def test_sides_alternate_or_rotate_so_each_goes_first_equally_often() -> None:
+    assert bench.side_order(("direct", "gateway"), 1) == ["direct", "gateway"]
+    assert bench.side_order(("direct", "gateway"), 2) == ["gateway", "direct"]
+    four = ("direct", "gateway", "rayserve", "litellm")
+    firsts = [bench.side_order(four, step)[0] for step in range(4)]
+    assert sorted(firsts) == sorted(four)
+    assert all(sorted(bench.side_order(four, step)) == sorted(four) for step in range(4))
