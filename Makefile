@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install clients run test lint unit integration bench bench-smoke clean
+.PHONY: install clients run test lint unit integration bench bench-smoke bench-peers bench-gateway bench-prefix clean
 
 install: $(STAMP)
 
@@ -38,6 +38,20 @@ bench: install
 
 bench-smoke: install
 	$(PY) -m loadtests.bench --smoke
+
+# The same load against direct vLLM, this gateway, Ray Serve LLM and the LiteLLM proxy; each peer
+# is installed first into its own venv under results/bench/peers/venvs/ (never into .venv).
+bench-peers: install
+	$(PY) -m loadtests.bench_peers
+	$(PY) -m loadtests.bench --peers
+
+# Gateway capacity against a synthetic upstream (no engine), 1, 2 and 4 gateway replicas.
+bench-gateway: install
+	$(PY) -m loadtests.bench_gateway --replicas 1,2,4
+
+# A ~10k-token shared system prompt: TTFT with prefix caching on and off, and per tenant.
+bench-prefix: install
+	$(PY) -m loadtests.bench_prefix
 
 clean:
 	rm -rf $(VENV) .local .pytest_cache

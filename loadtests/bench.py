@@ -30,10 +30,12 @@ import sys
 import tempfile
 import time
 from datetime import datetime
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from loadtests import bench_peers as peers
 from loadtests import bench_procs as procs
 from loadtests import bench_report as report
 from loadtests import stack as harness
@@ -71,6 +73,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per benchmark run")
     p.add_argument("--smoke", action="store_true",
                    help="quick check: concurrency 1 and 4, 8 prompts of 16 tokens, 1 repeat")
+    p.add_argument("--peers", nargs="?", const=",".join(report.PEER_SIDES), default="",
+                   help="also run the same load against the peers (default with the flag: "
+                        f"{','.join(report.PEER_SIDES)}): Ray Serve LLM and the LiteLLM proxy in "
+                        "front of direct vLLM, each from its own venv under the results folder "
+                        "(loadtests.bench_peers); adds a chart (.png)")
     ns = p.parse_args(argv)
     defaults = SMOKE if ns.smoke else FULL
     for k, v in defaults.items():
@@ -78,6 +85,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(ns, k, v)
     if bool(ns.gateway_url) != bool(ns.api_key):
         p.error("--gateway-url and --api-key go together")
+    ns.peer_sides = tuple(x.strip() for x in str(ns.peers).split(",") if x.strip())
+    unknown = set(ns.peer_sides) - set(report.PEER_SIDES)
+    if unknown:
+        p.error(f"--peers: unknown peer(s) {sorted(unknown)}; known: {','.join(report.PEER_SIDES)}")
+    ns.sides = (*report.SIDES, *ns.peer_sides)
     ns.concurrencies = [int(c) for c in str(ns.concurrency).split(",") if c.strip()]
     if not ns.concurrencies or min(ns.concurrencies) < 1 or ns.repeats < 1:
         p.error("--concurrency needs positive integers and --repeats at least 1")
@@ -91,7 +103,7 @@ def prompts_for(ns: argparse.Namespace, c: int) -> int:
 # ---- one benchmark run ------------------------------------------------------------------------------
 def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, model_id: str,
             model_path: str, c: int, repeat: int, log: Path, stamp: str,
-            root: int | None) -> dict[str, Any]:
+            root: int | list[int] | None) -> dict[str, Any]:
     """One ``vllm.benchmarks.serve`` run, in this process; its console output goes to ``log``.
     With ``root`` (a server's process), the CPU seconds each process of its tree used during the
     run are recorded."""
@@ -99,6 +111,7 @@ def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, m
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     n = prompts_for(ns, c)
+    roots = [] if root is None else [root] if isinstance(root, int) else list(root)
     argv = [
         "--backend", ns.backend, "--base-url", root_url, "--endpoint", ENDPOINTS[ns.backend],
         "--model", model_id, "--tokenizer", model_path,
@@ -118,7 +131,7 @@ def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, m
     if key:
         os.environ["OPENAI_API_KEY"] = key
     t0 = time.monotonic()
-    cpu0, client0 = (procs.cpu_seconds(root) if root else {}), time.process_time()
+    cpu0, client0 = procs.cpu_seconds_of(roots), time.process_time()
     try:
         with open(log, "a") as out, contextlib.redirect_stdout(out):
             print(f"\n===== {side} concurrency={c} repeat={repeat} prompts={n} =====", flush=True)
@@ -133,15 +146,15 @@ def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, m
         os.environ.pop("OPENAI_API_KEY", None)
         if saved is not None:
             os.environ["OPENAI_API_KEY"] = saved
-    cpu1 = procs.cpu_seconds(root) if root else {}
+    cpu1 = procs.cpu_seconds_of(roots)
     cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items() if v - cpu0.get(k, 0.0) >= 0.05}
     cpu["benchmark client"] = round(time.process_time() - client0, 2)
     metrics["cpu_s"] = dict(sorted(cpu.items(), key=lambda kv: -kv[1]))
-    say(f"  {side:7} c={c:<3} repeat {repeat}: {metrics['output_tok_s']:7.0f} tok/s  "
+    say(f"  {side:8} c={c:<3} repeat {repeat}: {metrics['output_tok_s']:7.0f} tok/s  "
         f"{metrics['req_s']:6.2f} req/s  TTFT p50 {metrics['ttft_p50_ms']:7.1f} ms  "
         f"TPOT p50 {metrics['tpot_p50_ms']:6.2f} ms  {metrics['completed']}/{n} ok, "
         f"{metrics['total_output_tokens']} tokens  ({time.monotonic() - t0:.0f} s)")
-    if root:
+    if roots:
         say("          CPU s: " + ", ".join(f"{k} {v:.1f}" for k, v in list(metrics["cpu_s"].items())[:6]))
     for e in metrics["errors"]:
         say(f"    error: {e}")
@@ -213,7 +226,7 @@ def unlimited_tier(top_priority: int) -> harness.EditArgs:
 
 
 def start_servers(ns: argparse.Namespace, config: Path, cfg: Any, model: Any, workdir: Path,
-                  started: list[Proc]) -> tuple[dict[str, tuple[str, str | None, int | None]],
+                  started: list[Proc]) -> tuple[dict[str, tuple[str, str | None, Any]],
                                                 str | None, str]:
     """Start direct vLLM (and the stack unless given). Returns {side: (root URL, key, root process
     for CPU accounting)}, the Ray address for the RSS and the model path."""
@@ -261,8 +274,94 @@ def start_servers(ns: argparse.Namespace, config: Path, cfg: Any, model: Any, wo
         if ray_address:
             say(f"Ray cluster of the gateway: {ray_address}")
     gw_root_pid = stack.proc.pid if stack else procs.root_of_port(urlsplit(gw_root).port or 80)
-    sides = {"direct": (direct_url, None, direct.pid), "gateway": (gw_root, key, gw_root_pid)}
+    sides: dict[str, tuple[str, str | None, Any]] = {
+        "direct": (direct_url, None, direct.pid), "gateway": (gw_root, key, gw_root_pid)}
+    if ns.peer_sides:
+        sides.update(start_peers(ns, model.id, args, direct, direct_url, workdir, started))
     return sides, ray_address, model_path
+
+
+def start_peers(ns: argparse.Namespace, model_id: str, args: dict[str, Any], direct: Proc,
+                direct_url: str, workdir: Path, started: list[Proc]) -> dict[str, tuple[str, None, Any]]:
+    """Start the peers (each from its own venv) and wait until each answers a chat request.
+    LiteLLM's CPU is accounted with the direct vLLM server behind it."""
+    venvs = peers.venv_dirs(Path(ns.results_dir))
+    out: dict[str, tuple[str, None, Any]] = {}
+    waits: list[tuple[str, Proc, Callable[[], bool], str]] = []
+    for side in ns.peer_sides:
+        python = peers.ensure_venv(side, venvs[side], say)
+        port = harness.free_port()
+        url = f"http://127.0.0.1:{port}"
+        if side == "rayserve":
+            cfg = peers.rayserve_llm_config(model_id, args["model_path"], args["engine_kwargs"],
+                                            args["env"])
+            proc, ready = peers.start_rayserve(python, workdir, port, cfg, dict(os.environ))
+            say(f"starting Ray Serve LLM on {url} (log {proc.log})")
+            waits.append((side, proc, ready.exists, url))
+            out[side] = (url, None, proc.pid)
+        else:
+            proc = peers.start_litellm(venvs[side], workdir, port, model_id, direct_url, dict(os.environ))
+            say(f"starting the LiteLLM proxy {peers.LITELLM_VERSION} on {url} (log {proc.log})")
+            waits.append((side, proc, lambda u=url: harness.http_status(f"{u}/health/liveliness") == 200, url))
+            out[side] = (url, None, [proc.pid, direct.pid])
+        started.append(proc)
+    for side, proc, ready_fn, url in waits:
+        t = harness.wait_until(ready_fn, [proc, direct], report.SIDE_NAMES[side], ns.startup_timeout, say)
+        body = {"model": model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        status = 0
+        for _ in range(30):  # Ray Serve LLM's router may lag its status by a few seconds
+            status = harness.http_status(f"{url}/v1/chat/completions", 120, {}, body)
+            if status == 200:
+                break
+            time.sleep(2)
+        if status != 200:
+            raise RuntimeError(f"{report.SIDE_NAMES[side]} answered {status} to a test request at {url}")
+        say(f"{report.SIDE_NAMES[side]} ready ({t:.0f} s)")
+    return out
+
+
+def side_order(sides: tuple[str, ...], step: int) -> list[str]:
+    """The order of the sides at a step: two sides alternate (as ``make bench`` always did), more
+    rotate, so that each side goes first equally often."""
+    if len(sides) == 2:
+        return list(sides) if step % 2 else list(reversed(sides))
+    k = step % len(sides)
+    return list(sides[k:] + sides[:k])
+
+
+def engine_counts(m: dict[str, Any], output_len: int) -> None:
+    """A peer's output tokens as the engine made them: with ``--ignore-eos`` every completed request
+    has exactly ``output_len``. vLLM's benchmark reads the usage only from a chunk without choices;
+    LiteLLM's usage chunk carries an empty choice, so the benchmark re-tokenizes the streamed text
+    instead (about 1.2x the real count for the tiny model's gibberish), which would inflate its
+    tokens/s. The count the benchmark saw is kept as ``reported_output_tokens``."""
+    expected = m["completed"] * output_len
+    if m["total_output_tokens"] != expected and m["duration_s"] > 0:
+        m["reported_output_tokens"] = m["total_output_tokens"]
+        m["total_output_tokens"] = expected
+        m["output_tok_s"] = expected / m["duration_s"]
+
+
+def peers_section(summary: dict[int, dict[str, Any]], ns: argparse.Namespace, base: Path,
+                  meta: dict[str, Any]) -> str:
+    """The side-by-side table, the CPU table at the highest concurrency, the deviations, and the
+    chart (``<base>.png``)."""
+    from loadtests import bench_chart
+
+    top = max(ns.concurrencies)
+    png = base.with_suffix(".png")
+    try:
+        bench_chart.plot(summary, ns.sides, png, title=f"{meta['model']} on {os.cpu_count()} cores, "
+                         f"{meta['input_len']} in / {meta['output_len']} out, medians of {ns.repeats}")
+        chart = f"![side by side]({png.name})\n\n"
+    except Exception as exc:  # the chart is a convenience; the tables are the result
+        say(f"WARNING: no chart: {type(exc).__name__}: {exc}")
+        chart = ""
+    return ("\n## Side by side with the peers\n\n" + report.side_by_side_markdown(summary, ns.sides)
+            + "\n" + chart + f"CPU seconds per 1,000 output tokens at c{top} (median run), every "
+            "process of each side's tree (LiteLLM's includes the direct vLLM behind it):\n\n"
+            + report.cpu_markdown(summary, top, ns.sides)
+            + "\nDeviations from the peers' defaults:\n\n" + peers.deviations_markdown(ns.peer_sides))
 
 
 def command_line(argv: list[str]) -> str:
@@ -305,30 +404,42 @@ def main(argv: list[str] | None = None) -> int:
         runs: list[dict[str, Any]] = []
         problems: list[str] = []
         warnings: list[str] = []
+        peer_problems: list[str] = []
         for r in range(1, ns.repeats + 1):
             for i, c in enumerate(ns.concurrencies):
-                # Alternate which side goes first, so a drift in machine load hits both alike.
-                order = list(report.SIDES) if (r + i) % 2 else list(reversed(report.SIDES))
+                # Rotate which side goes first, so a drift in machine load hits every side alike.
+                order = side_order(ns.sides, r + i)
                 say(f"repeat {r}/{ns.repeats}, concurrency {c}, {prompts_for(ns, c)} prompts "
                     f"({' then '.join(order)})")
                 pair: dict[str, dict[str, Any]] = {}
                 for side in order:
-                    url, k, root = sides[side]
-                    pair[side] = run_one(ns, side, url, k, model.id, model_path, c, r, log, stamp, root)
+                    url, key_, root = sides[side]
+                    pair[side] = run_one(ns, side, url, key_, model.id, model_path, c, r, log, stamp, root)
+                    if side in ns.peer_sides:
+                        engine_counts(pair[side]["metrics"], ns.output_len)
                 found = report.check_pair(pair["direct"]["metrics"], pair["gateway"]["metrics"],
                                           prompts_for(ns, c), ns.output_len)
                 problems += [f"c={c} repeat {r}: {p}" for p in found]
+                # A peer that loses requests or tokens is reported, but does not fail our benchmark.
+                for side in ns.peer_sides:
+                    found = report.check_sides({"direct": pair["direct"]["metrics"],
+                                                side: pair[side]["metrics"]}, prompts_for(ns, c),
+                                               ns.output_len)
+                    # Without a readable usage chunk the benchmark counts prompt tokens itself.
+                    unread = "reported_output_tokens" in pair[side]["metrics"]
+                    peer_problems += [f"c={c} repeat {r}: {p}" for p in found if not p.startswith("direct")
+                                      and not (unread and p.startswith("prompt tokens differ"))]
                 same, total = report.text_agreement(pair["direct"]["texts"], pair["gateway"]["texts"])
                 if total and same != total:
                     warnings.append(f"c={c} repeat {r}: {total - same}/{total} streamed texts differ "
                                     "between the sides (greedy decoding; numerics can differ by batch)")
-                for side in report.SIDES:
+                for side in ns.sides:
                     runs.append({"repeat": r, "concurrency": c, "side": side,
                                  "metrics": pair[side]["metrics"],
-                                 "texts_identical_to_other_side": same})
+                                 "texts_identical_to_other_side": same if side in report.SIDES else None})
 
         rss = gateway_rss(ray_address, workdir)
-        summary = report.medians(runs, ns.concurrencies)
+        summary = report.medians(runs, ns.concurrencies, ns.sides)
         rat = report.ratios(summary)
         meta = {
             "command": command_line(argv if argv is not None else sys.argv[1:]),
@@ -340,8 +451,11 @@ def main(argv: list[str] | None = None) -> int:
             "gateway": ("external " + sides["gateway"][0]) if ns.gateway_url else "started by the benchmark",
             "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
             "wall_time_s": round(time.monotonic() - t_start, 1),
+            "sides": list(ns.sides),
         }
         table = report.markdown(summary, rat, rss, meta)
+        if ns.peer_sides:
+            table += peers_section(summary, ns, base, meta)
         doc = {
             "meta": meta,
             "summary": {str(c): v for c, v in summary.items()},
@@ -349,10 +463,17 @@ def main(argv: list[str] | None = None) -> int:
             "gateway_peak_rss_bytes": rss, "gateway_peak_rss_bytes_before_runs": rss_before,
             "runs": runs, "problems": problems, "warnings": warnings, "passed": not problems,
         }
+        if ns.peer_sides:
+            doc["side_by_side"] = [
+                {**row, "ttft_p50_delta_ms": {str(c): v for c, v in row["ttft_p50_delta_ms"].items()},
+                 "tok_s_ratio": {str(c): v for c, v in row["tok_s_ratio"].items()}}
+                for row in report.side_by_side(summary, ns.sides)]
+            doc["peer_problems"] = peer_problems
+            doc["peer_deviations"] = {p: list(peers.DEVIATIONS[p]) for p in ns.peer_sides}
         base.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
         base.with_suffix(".md").write_text(f"Command: `{meta['command']}`\n\n" + table)
         print("\n" + table, flush=True)
-        for w in warnings:
+        for w in warnings + [f"peer: {p}" for p in peer_problems]:
             say(f"WARN {w}")
         say(f"wrote {base.with_suffix('.json')} and {base.with_suffix('.md')}")
         if problems:
@@ -371,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         # The stack first (SIGINT lets the CLI shut Ray down cleanly), then direct vLLM.
         for proc in reversed(started):
-            harness.stop(proc, timeout_s=90 if "stack" in proc.name else 30, say=say)
+            harness.stop(proc, timeout_s=90 if "stack" in proc.name or "Ray" in proc.name else 30,
+                         say=say)
         for proc in started:  # keep the server logs beside the results, without the demo key
             if proc.log.exists():
                 text = proc.log.read_text(errors="replace")

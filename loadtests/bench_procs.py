@@ -64,6 +64,15 @@ def cpu_seconds(root: int) -> dict[str, float]:
     return out
 
 
+def cpu_seconds_of(roots: list[int]) -> dict[str, float]:
+    """``cpu_seconds`` of several process trees together (a proxy and the server behind it)."""
+    out: dict[str, float] = {}
+    for root in roots:
+        for k, v in cpu_seconds(root).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
 def _ancestors(pid: int) -> set[int]:
     """Live ancestors of a process, up to (not including) init."""
     found: set[int] = set()

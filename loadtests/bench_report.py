@@ -6,6 +6,14 @@ import statistics
 from typing import Any
 
 SIDES = ("direct", "gateway")
+# --peers adds these sides (loadtests.bench_peers); every side is compared with "direct".
+PEER_SIDES = ("rayserve", "litellm")
+SIDE_NAMES = {
+    "direct": "direct vLLM",
+    "gateway": "this gateway",
+    "rayserve": "Ray Serve LLM",
+    "litellm": "LiteLLM proxy",
+}
 
 # (key in our metrics, column title, format)
 COLUMNS = (
@@ -86,18 +94,33 @@ def check_pair(direct: dict[str, Any], gateway: dict[str, Any], num_prompts: int
     return problems
 
 
+def check_sides(pair: dict[str, dict[str, Any]], num_prompts: int, output_len: int) -> list[str]:
+    """``check_pair`` of every side against direct vLLM (a side's own problems reported once)."""
+    problems: list[str] = []
+    for side, m in pair.items():
+        if side == "direct":
+            continue
+        for p in check_pair(pair["direct"], m, num_prompts, output_len):
+            p = p.replace("gateway", side)
+            if p.startswith("direct:") and p in problems:
+                continue
+            problems.append(p)
+    return problems
+
+
 def text_agreement(direct_texts: list[str], gateway_texts: list[str]) -> tuple[int, int]:
     """(identical, total) streamed texts, request by request (greedy decoding, same prompts)."""
     same = sum(1 for a, b in zip(direct_texts, gateway_texts, strict=False) if a == b)
     return same, max(len(direct_texts), len(gateway_texts))
 
 
-def medians(runs: list[dict[str, Any]], concurrencies: list[int]) -> dict[int, dict[str, Any]]:
+def medians(runs: list[dict[str, Any]], concurrencies: list[int],
+            sides: tuple[str, ...] = SIDES) -> dict[int, dict[str, Any]]:
     """{concurrency: {side: {metric: median over repeats}}}."""
     out: dict[int, dict[str, Any]] = {}
     for c in concurrencies:
         out[c] = {}
-        for side in SIDES:
+        for side in sides:
             ms = [r["metrics"] for r in runs if r["concurrency"] == c and r["side"] == side]
             if not ms:
                 continue
@@ -113,11 +136,11 @@ def medians(runs: list[dict[str, Any]], concurrencies: list[int]) -> dict[int, d
     return out
 
 
-def ratios(summary: dict[int, dict[str, Any]]) -> dict[int, dict[str, float]]:
-    """Gateway against direct, per concurrency, from the medians."""
+def ratios(summary: dict[int, dict[str, Any]], side: str = "gateway") -> dict[int, dict[str, float]]:
+    """``side`` (the gateway by default) against direct, per concurrency, from the medians."""
     out: dict[int, dict[str, float]] = {}
     for c, sides in summary.items():
-        d, g = sides.get("direct"), sides.get("gateway")
+        d, g = sides.get("direct"), sides.get(side)
         if not d or not g:
             continue
         out[c] = {
@@ -143,7 +166,7 @@ def markdown(summary: dict[int, dict[str, Any]], rat: dict[int, dict[str, float]
         "| ---: | ---: | --- | " + " | ".join("---:" for _ in COLUMNS) + " |",
     ]
     for c, sides in summary.items():
-        for side in SIDES:
+        for side in sides:
             m = sides.get(side)
             if m is None:
                 continue
@@ -159,7 +182,7 @@ def markdown(summary: dict[int, dict[str, Any]], rat: dict[int, dict[str, float]
             f"| {c} | {r['tok_s_ratio']:.2f} | {r['ttft_p50_delta_ms']:+.1f} | {r['tpot_p50_ratio']:.2f} |"
         )
     cpu_rows = [
-        (c, side, m) for c, sides in summary.items() for side in SIDES
+        (c, side, m) for c, sides in summary.items() for side in sides
         if (m := sides.get(side)) and len(m.get("cpu_s", {})) > 1
     ]
     if cpu_rows:
@@ -191,4 +214,70 @@ def markdown(summary: dict[int, dict[str, Any]], rat: dict[int, dict[str, float]
         lines.append(f"- gateway replica peak RSS: **{rss_bytes / 2**20:.0f} MiB**")
     else:
         lines.append("- gateway replica peak RSS: not measured (see the warning in the output)")
+    return "\n".join(lines) + "\n"
+
+
+def side_by_side(summary: dict[int, dict[str, Any]], sides: tuple[str, ...]) -> list[dict[str, Any]]:
+    """One row per side but direct: its c1 TTFT p50 delta and tokens/s ratio at each concurrency."""
+    rows = []
+    for side in sides:
+        if side == "direct":
+            continue
+        rat = ratios(summary, side)
+        rows.append({
+            "side": side,
+            "name": SIDE_NAMES.get(side, side),
+            "ttft_p50_delta_ms": {c: r["ttft_p50_delta_ms"] for c, r in rat.items()},
+            "tok_s_ratio": {c: r["tok_s_ratio"] for c, r in rat.items()},
+        })
+    return rows
+
+
+def side_by_side_markdown(summary: dict[int, dict[str, Any]], sides: tuple[str, ...]) -> str:
+    """The README's table: each server against direct vLLM, from the medians of one run."""
+    concs = list(summary)
+    head = ["Server"] + [f"TTFT p50 vs direct, c{c}" for c in concs[:1]] + \
+        [f"tok/s vs direct, c{c}" for c in concs]
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    direct = [f"{summary[c]['direct']['output_tok_s']:.0f} tok/s" for c in concs if "direct" in summary[c]]
+    if concs and "direct" in summary[concs[0]]:
+        lines.append(f"| direct vLLM | {summary[concs[0]]['direct']['ttft_p50_ms']:.1f} ms | "
+                     + " | ".join(direct) + " |")
+    for row in side_by_side(summary, sides):
+        cells = [f"{row['ttft_p50_delta_ms'][c]:+.1f} ms" for c in concs[:1] if c in row["ttft_p50_delta_ms"]]
+        cells += [f"{row['tok_s_ratio'][c]:.2f}x" if c in row["tok_s_ratio"] else "n/a" for c in concs]
+        lines.append(f"| {row['name']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def is_engine(label: str) -> bool:
+    """vLLM's engine processes (``VLLM::EngineCore``, ``VLLM::Worker``): the same on every side."""
+    return label.upper().startswith("VLLM::")
+
+
+def cpu_per_1k(m: dict[str, Any]) -> dict[str, float]:
+    """CPU seconds per 1,000 output tokens of each server process kind in one side's medians."""
+    tokens = m.get("total_output_tokens") or 0
+    if not tokens:
+        return {}
+    return {k: v * 1000.0 / tokens for k, v in sorted(m.get("cpu_s", {}).items(), key=lambda kv: -kv[1])
+            if k != "benchmark client"}
+
+
+def cpu_markdown(summary: dict[int, dict[str, Any]], c: int, sides: tuple[str, ...]) -> str:
+    """CPU seconds per 1,000 output tokens at concurrency ``c``, per process kind and side."""
+    if c not in summary:
+        return ""
+    lines = [f"| Side | Process | CPU-s per 1,000 output tokens (c{c}) |", "| --- | --- | ---: |"]
+    for side in sides:
+        m = summary[c].get(side)
+        if not m:
+            continue
+        per = cpu_per_1k(m)
+        for k, v in per.items():
+            if v >= 0.005:
+                lines.append(f"| {SIDE_NAMES.get(side, side)} | `{k}` | {v:.3f} |")
+        front = sum(v for k, v in per.items() if not is_engine(k))
+        lines.append(f"| {SIDE_NAMES.get(side, side)} | **front end (all but the engine's processes)** "
+                     f"| **{front:.3f}** |")
     return "\n".join(lines) + "\n"

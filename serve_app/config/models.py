@@ -193,6 +193,13 @@ class AdmissionConfig(_Strict):
     )
 
 
+class SyntheticUpstream(_Strict):
+    """A model replica with no engine that streams made-up tokens (for sizing the gateway)."""
+
+    tokens_per_s: PositiveFloat = Field(description="Tokens per second of each stream.")
+    ttft_ms: float = Field(default=0.0, ge=0, le=60_000, description="Wait before the first token.")
+
+
 class ModelConfig(_Strict):
     """One served model: one Ray Serve deployment wrapping one vLLM engine per replica."""
 
@@ -220,6 +227,11 @@ class ModelConfig(_Strict):
         "is full.",
     )
     startup_timeout_s: PositiveFloat = 900.0
+    synthetic: SyntheticUpstream | None = Field(
+        default=None,
+        description="SYNTHETIC upstream for gateway benchmarks: no engine, no weights; streams "
+        "made-up tokens at this rate (serve_app/engine/synthetic.py). Never for real traffic.",
+    )
     # 50 ms is also Ray Serve LLM's default (RAYLLM_MODEL_RESPONSE_BATCH_TIMEOUT_MS).
     stream_interval_ms: float = Field(
         default=50.0,
@@ -246,6 +258,12 @@ class ModelConfig(_Strict):
             raise ValueError(
                 "engine.distributed_executor_backend ('ray') is refused by vLLM on CPU; use 'mp'"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _synthetic_generates(self) -> ModelConfig:
+        if self.synthetic is not None and self.task != "generate":
+            raise ValueError(f"synthetic needs task 'generate', not {self.task!r}")
         return self
 
     @model_validator(mode="after")

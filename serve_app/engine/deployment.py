@@ -18,6 +18,7 @@ from serve_app import logflush
 from serve_app.config import ModelConfig
 from serve_app.engine.server import EngineServer
 from serve_app.engine.sources import resolve_source
+from serve_app.engine.synthetic import SyntheticServer
 from serve_app.protocol import ENDPOINTS, RequestContext
 
 logger = logging.getLogger("ray.serve")
@@ -33,8 +34,12 @@ class ModelServer:
     ) -> None:
         logflush.install()  # warnings and errors reach the replica log at once
         self.cfg = ModelConfig.model_validate(model)
-        path = await asyncio.to_thread(resolve_source, self.cfg.source, cache_dir)
-        self.server = EngineServer(self.cfg, path, top_priority)
+        self.server: EngineServer | SyntheticServer
+        if self.cfg.synthetic is not None:  # no engine: made-up tokens for gateway benchmarks
+            self.server = SyntheticServer(self.cfg)
+        else:
+            path = await asyncio.to_thread(resolve_source, self.cfg.source, cache_dir)
+            self.server = EngineServer(self.cfg, path, top_priority)
         try:
             await asyncio.wait_for(self.server.start(), self.cfg.startup_timeout_s)
         except TimeoutError:
