@@ -83,6 +83,9 @@ class SyntheticServer:
     def waiting_for_slot(self) -> int:
         return 0
 
+    def engine_dead(self) -> bool:
+        return False  # no engine to die
+
     def shutdown(self) -> None:
         return None
 
