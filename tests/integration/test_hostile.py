@@ -70,7 +70,8 @@ def test_engine_refuses_what_vllm_would_leak_and_nothing_stays_unfinished(stack,
     r = httpx.post(f"{stack.base_url}/chat/completions", headers=auth, timeout=30,
                    json={**CHAT, "structured_outputs": "not an object"})
     assert _error(r, 400)["param"] == "structured_outputs"
-    r = httpx.post(f"{stack.base_url}/chat/completions", headers=auth, timeout=30,
+    r = httpx.post(f"{stack.base_url}/chat/completions", timeout=30,
+                   headers={**auth, "Content-Type": "application/json"},
                    content=json.dumps(CHAT)[:-1] + f', "top_k": {2**70}}}')
     assert _error(r, 400)["param"] == "top_k"
     r = httpx.post(f"{stack.base_url}/chat/completions", headers=auth, timeout=30,
