@@ -95,6 +95,9 @@ def run(base_url: str, keys: dict[str, str], root_pid: int, *, minutes: float,
     from locust.env import Environment
 
     results: dict[str, list[tuple[str, int, str]]] = {t: [] for t in keys}
+    # At the end no new request starts and the ones in flight finish, so that every request the
+    # gateway counted is one the client counted too.
+    flow = {"stopping": False, "in_flight": 0}
 
     def usage(secret: str) -> dict[str, Any]:
         r = requests.get(f"{base_url}/usage", headers={"Authorization": f"Bearer {secret}"},
@@ -113,10 +116,20 @@ def run(base_url: str, keys: dict[str, str], root_pid: int, *, minutes: float,
 
         @task
         def chat(self) -> None:
+            if flow["stopping"]:
+                gevent.sleep(0.5)
+                return
             body = {"model": model, "messages": [{"role": "user", "content": "a story please"}],
                     "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
                     "stream_options": {"include_usage": True}}
             headers = {"Authorization": f"Bearer {keys[self.tier]}"}
+            flow["in_flight"] += 1
+            try:
+                self._send(body, headers)
+            finally:
+                flow["in_flight"] -= 1
+
+        def _send(self, body: dict[str, Any], headers: dict[str, str]) -> None:
             kind, tokens, detail = "cut", 0, ""
             with self.client.post("/v1/chat/completions", json=body, headers=headers,
                                   stream=True, timeout=120, name=self.tier,
@@ -157,6 +170,10 @@ def run(base_url: str, keys: dict[str, str], root_pid: int, *, minutes: float,
                       f"{time.monotonic() - t0:.0f} s", flush=True)
             next_kill += kill_every_s
         gevent.sleep(0.5)
+    flow["stopping"] = True
+    drain_end = time.monotonic() + 120
+    while flow["in_flight"] and time.monotonic() < drain_end:
+        gevent.sleep(0.2)
     runner.quit()
     gevent.sleep(3.0)  # the gateway closes each request's ledger just after its answer
     after = {tier: usage(secret) for tier, secret in keys.items()}

