@@ -42,16 +42,16 @@ bench-smoke: install
 # The same load against direct vLLM, this gateway, Ray Serve LLM and the LiteLLM proxy; each peer
 # is installed first into its own venv under results/bench/peers/venvs/ (never into .venv).
 bench-peers: install
-	$(PY) -m loadtests.bench_peers
+	$(PY) -m loadtests.bench.peers
 	$(PY) -m loadtests.bench --peers
 
 # Gateway capacity against a synthetic upstream (no engine), 1, 2 and 4 gateway replicas.
 bench-gateway: install
-	$(PY) -m loadtests.bench_gateway --replicas 1,2,4
+	$(PY) -m loadtests.bench.gateway --replicas 1,2,4
 
 # A ~10k-token shared system prompt: TTFT with prefix caching on and off, and per tenant.
 bench-prefix: install
-	$(PY) -m loadtests.bench_prefix
+	$(PY) -m loadtests.bench.prefix
 
 clean:
 	rm -rf $(VENV) .local .pytest_cache

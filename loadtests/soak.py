@@ -33,7 +33,7 @@ from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from loadtests.faults import OK_KINDS, classify, find_replicas  # noqa: E402
+from loadtests.harness.faults import OK_KINDS, classify, find_replicas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TIERS = ("premium", "standard", "batch")
@@ -194,7 +194,7 @@ def run(base_url: str, keys: dict[str, str], root_pid: int, *, minutes: float,
 
 
 def _own_stack(workdir: Path) -> Any:
-    from loadtests.stack import start_stack
+    from loadtests.harness.stack import start_stack
 
     return start_stack(ROOT / "configs/local.yaml", workdir,
                        keys={f"soak-{t}": (t, ["*"]) for t in TIERS})

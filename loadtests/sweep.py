@@ -2,7 +2,7 @@
 
     python -m loadtests.sweep --config configs/local.yaml --model tiny-chat --param max_num_seqs=4,8,16,32
 
-For each value it starts the app (``serve-app run``, through loadtests.stack) with a copy of the
+For each value it starts the app (``serve-app run``, through loadtests.harness.stack) with a copy of the
 config in which the model's setting has that value, on a free loopback port, with one key per tier
 (``serve-app keys create``); warms it up; runs a
 headless locust load (loadtests/locustfile.py) with the same users, spawn rate, duration and mix;
@@ -32,9 +32,9 @@ import httpx
 import psutil
 import yaml
 
-from loadtests import stack as harness
+from loadtests.harness import stack as harness
 from loadtests.sla import Objective, read_objectives, top_tier
-from loadtests.stack import Stack
+from loadtests.harness.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = ROOT / "loadtests" / "locustfile.py"

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from serve_app import front_door
+from serve_app.local import front_door
 
 DEFAULT_CONFIG = "configs/local.yaml"
 DEMO_KEY_ID = "local-demo"
@@ -212,7 +212,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     local_redis: Any = None
     if cfg.gateway.redis_url is None:
         # Usage totals and limit counters outlive a gateway replica (local_state.py).
-        from serve_app.local_state import LocalStateError, start_local_redis
+        from serve_app.local.redis_server import LocalStateError, start_local_redis
 
         try:
             local_redis = start_local_redis(keys_file.parent / "state")
@@ -331,7 +331,7 @@ def _start_prometheus(run_dir: Path) -> Any:
     """A Prometheus on 127.0.0.1 scraping this Ray cluster, with the alert rules; None without one."""
     import ray
 
-    from serve_app.prometheus import Prometheus, find_binary, targets_from_nodes, write_sd_file
+    from serve_app.local.prometheus import Prometheus, find_binary, targets_from_nodes, write_sd_file
 
     if find_binary() is None:
         _say("--prometheus: no prometheus binary (sudo bash scripts/system-deps.sh installs it)")
@@ -351,7 +351,7 @@ def _start_prometheus(run_dir: Path) -> Any:
 
 
 def cmd_dashboards(ns: argparse.Namespace) -> int:
-    from serve_app.grafana_push import DASHBOARD_DIR, push
+    from serve_app.ops.grafana_push import DASHBOARD_DIR, push
 
     files = sorted(Path(ns.dir or DASHBOARD_DIR).glob("*.json"))
     if not files:
@@ -391,7 +391,7 @@ def cmd_diagnose(ns: argparse.Namespace) -> int:
 
 # ---- doctor -------------------------------------------------------------------------------------
 def cmd_doctor(ns: argparse.Namespace) -> int:
-    from serve_app import doctor
+    from serve_app.ops import doctor
 
     key = ns.api_key or os.environ.get("OPENAI_API_KEY", "")
     if not key:

@@ -374,7 +374,7 @@ class TierConfig(_Strict):
     shed_at: float = Field(default=1.0, gt=0.0, le=1.0)
 
 
-MAX_BODY_LIMIT = 32 * 1024 * 1024  # half the replica gRPC message limit (serve_app/front_door.py)
+MAX_BODY_LIMIT = 32 * 1024 * 1024  # half the replica gRPC message limit (serve_app/local/front_door.py)
 
 
 class GatewayConfig(_Strict):

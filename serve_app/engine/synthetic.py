@@ -1,6 +1,6 @@
 """A SYNTHETIC upstream: a model deployment that streams made-up tokens at a set rate, no engine.
 
-For sizing the gateway (``loadtests.bench_gateway``): with ``synthetic: {tokens_per_s, ttft_ms}`` in
+For sizing the gateway (``loadtests.bench.gateway``): with ``synthetic: {tokens_per_s, ttft_ms}`` in
 a model's config, its replica loads no weights and runs no vLLM. Each request waits ``ttft_ms``,
 sends its first token at once, then the tokens that are due every ``stream_interval_ms`` (as the
 real replica's pacing does) until ``max_tokens``. Every answer says it is synthetic: its ``id``

@@ -5,7 +5,7 @@ Unlike the session stack (``serve-app run``, which starts Ray inside its own pro
 production path: a Ray cluster started on its own, and the app deployed onto it as a config file
 through Ray's dashboard. Everything stays on loopback: the head node binds 127.0.0.1, the dashboard
 and the HTTP port too, and HAProxy's stats and metrics listeners are pinned to 127.0.0.1 by
-``serve_app.front_door`` (on a real cluster, firewall them instead).
+``serve_app.local.front_door`` (on a real cluster, firewall them instead).
 
 Ray gets 8 logical CPUs (``--num-cpus 8``) on this 2-core machine: logical CPUs are scheduling
 tokens, and the second chat replica (autoscaling) and the surge replica of an update need them.
@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from loadtests.stack import copy_config, create_key, free_port
+from loadtests.harness.stack import copy_config, create_key, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -46,7 +46,7 @@ def _say(msg: str) -> None:
 def cluster_env(run_dir: Path) -> dict[str, str]:
     """The environment of every node (README "Deploy", step 3): Ray Serve's throughput mode with
     HAProxy, the X-Request-Id middleware, autoscaling metrics every second, loopback only."""
-    from serve_app import front_door
+    from serve_app.local import front_door
     from serve_app.gateway.proxy_middleware import IMPORT_PATH
 
     env = dict(os.environ)

@@ -1,5 +1,5 @@
 """Start the real app once per session: real Ray Serve, real vLLM CPU engines, the real CLI,
-through the one stack harness (loadtests/stack.py).
+through the one stack harness (loadtests/harness/stack.py).
 
 The stack is configs/local.yaml with a few test-only limits (a short context, a small body limit,
 a bounded queue) so that every error case can be reached quickly.
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from loadtests.stack import Stack, StackError, start_stack
+from loadtests.harness.stack import Stack, StackError, start_stack
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 900

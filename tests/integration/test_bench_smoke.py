@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests import stack as harness
+from loadtests.harness import stack as harness
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from loadtests.faults import (
+from loadtests.harness.faults import (
     OK_KINDS,
     Prober,
     StreamLoad,
@@ -169,8 +169,8 @@ def test_ctrl_c_lets_streams_finish_or_ends_them_with_an_error_event(stack) -> N
     gateway.drain_timeout_s (10 s) has passed; none is cut. This stops the session stack."""
     import openai
 
-    from loadtests.faults import stream_once
-    from loadtests.stack import _signal_group
+    from loadtests.harness.faults import stream_once
+    from loadtests.harness.stack import _signal_group
 
     _wait_healthy(stack)
     results = []

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from loadtests.stack import cmdline, descendants
+from loadtests.harness.stack import cmdline, descendants
 from tests.integration.fuzz_corpus import Case, check, corpus
 from tests.integration.rawhttp import RawResponse, send
 

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from serve_app.front_door import HTTP_REQUEST_TIMEOUT_S
+from serve_app.local.front_door import HTTP_REQUEST_TIMEOUT_S
 from serve_app.protocol import RequestContext
 from tests.integration.rawhttp import RawResponse, request, send
 

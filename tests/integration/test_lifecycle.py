@@ -80,7 +80,7 @@ def test_gateway_replica_never_imports_the_engine(stack, serve_handles) -> None:
     _through_every_gateway_replica(stack)
     diag = serve_handles("gateway").diagnostics.remote().result(timeout_s=10)
     assert diag["heavy_modules"] == []
-    # serve-app run sets Ray Serve's throughput mode before importing Ray (serve_app/front_door.py),
+    # serve-app run sets Ray Serve's throughput mode before importing Ray (serve_app/local/front_door.py),
     # so the handles it builds stream over gRPC, not one Ray object per chunk.
     assert diag["model_transport"] == "grpc"
     print(f"\n[stack] gateway peak RSS: {diag['peak_rss_bytes'] / 2**20:.0f} MiB")

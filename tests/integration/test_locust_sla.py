@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtests import stack as harness
+from loadtests.harness import stack as harness
 from serve_app.gateway.keys import create_key
 
 pytestmark = pytest.mark.integration

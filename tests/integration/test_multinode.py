@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtests.stack import Proc, cmdline, descendants, free_port, spawn, stop
+from loadtests.harness.stack import Proc, cmdline, descendants, free_port, spawn, stop
 from tests.integration.cluster import HOST, RayCluster, cluster_env, mounted_keys, write_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]

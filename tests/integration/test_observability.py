@@ -30,7 +30,7 @@ from serve_app.config import load_app_config
 from serve_app.gateway.keys import create_key
 from serve_app.metrics import ENGINE_METRICS, METRICS, SERVE_METRICS, exported
 from dashboards.promql import PromQL
-from serve_app.prometheus import Prometheus, targets_from_nodes, write_sd_file
+from serve_app.local.prometheus import Prometheus, targets_from_nodes, write_sd_file
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.stack import create_key
+from loadtests.harness.stack import create_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.soak]
 

@@ -10,8 +10,11 @@ from typing import Any
 import pytest
 import yaml
 
-from loadtests import bench, bench_gateway, bench_peers, bench_prefix
-from loadtests import bench_report as report
+from loadtests.bench import gateway as bench_gateway
+from loadtests.bench import peers as bench_peers
+from loadtests.bench import prefix as bench_prefix
+from loadtests.bench import run as bench
+from loadtests.bench import report as report
 from serve_app.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +72,7 @@ def test_rayserve_gets_the_same_engine_arguments_on_cpu() -> None:
     assert cfg["accelerator_config"] == {"kind": "cpu"}
     assert cfg["runtime_env"] == {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}
     cmd = bench_peers.rayserve_command(Path("/v/bin/python"), Path("/w/spec.json"))
-    assert cmd == ["/v/bin/python", "-m", "loadtests.bench_peer_rayserve", "/w/spec.json"]
+    assert cmd == ["/v/bin/python", "-m", "loadtests.bench.peer_rayserve", "/w/spec.json"]
 
 
 def test_litellm_fronts_direct_vllm_on_loopback_without_telemetry_or_remote_fetches() -> None:
@@ -133,7 +136,7 @@ def test_a_peer_that_loses_tokens_is_named() -> None:
 
 
 def test_the_chart_is_written(tmp_path: Path) -> None:
-    from loadtests import bench_chart
+    from loadtests.bench import chart as bench_chart
 
     out = bench_chart.plot(SUMMARY, ("direct", "gateway", "rayserve", "litellm"), tmp_path / "c.png", "t")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

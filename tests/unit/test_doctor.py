@@ -1,4 +1,4 @@
-"""serve_app.doctor: which answer means which mistake, and the fix printed for it.
+"""serve_app.ops.doctor: which answer means which mistake, and the fix printed for it.
 
 The pure ``diagnose_*`` functions are tested directly; the check sequence runs against a small fake
 gateway behind httpx.MockTransport (the real gateway is tests/integration/test_doctor.py).
@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serve_app import doctor
+from serve_app.ops import doctor
 
 KEY = "sk-sa-good"
 

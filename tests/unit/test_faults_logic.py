@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.faults import Result, classify, recovery
+from loadtests.harness.faults import Result, classify, recovery
 from serve_app import logflush
 from serve_app.engine.watchdog import EngineWatchdog
 from serve_app.gateway.outage import ModelDown, OutageGuard, hold_outcome
@@ -161,7 +161,7 @@ def _redis_cmd(port: int, *args: str) -> bytes:
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 def test_the_local_redis_keeps_counters_across_a_restart(tmp_path: Path) -> None:
-    from serve_app.local_state import start_local_redis
+    from serve_app.local.redis_server import start_local_redis
 
     state = tmp_path / "state"
     first = start_local_redis(state)
@@ -178,7 +178,7 @@ def test_the_local_redis_keeps_counters_across_a_restart(tmp_path: Path) -> None
 
 
 def test_a_missing_redis_server_is_a_clear_error(tmp_path: Path) -> None:
-    from serve_app.local_state import LocalStateError, start_local_redis
+    from serve_app.local.redis_server import LocalStateError, start_local_redis
 
     with pytest.raises(LocalStateError, match="did not start"):
         start_local_redis(tmp_path / "s", timeout_s=1, exe="/bin/false")
@@ -279,7 +279,7 @@ def test_an_idle_gateway_never_reads_the_status() -> None:
 
 
 def test_replica_titles_match_one_deployment_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
-    import loadtests.faults as faults
+    import loadtests.harness.faults as faults
 
     titles = {1: "ray::ServeReplica:llm:model-tiny-chat-b", 2: "ray::ServeReplica:llm:model-tiny-chat",
               3: "ray::ServeReplica:llm:model-tiny-chat.handle_request_streaming", 4: "python x"}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_app import front_door
+from serve_app.local import front_door
 
 # The listeners of Ray Serve's HAProxy template (ray/serve/_private/haproxy_templates.py).
 RAY_CONFIG = """global

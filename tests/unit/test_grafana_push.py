@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from serve_app.cli import main
-from serve_app.grafana_push import DASHBOARD_DIR
+from serve_app.ops.grafana_push import DASHBOARD_DIR
 
 
 class _Grafana(BaseHTTPRequestHandler):

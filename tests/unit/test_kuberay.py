@@ -13,7 +13,7 @@ import yaml
 
 from serve_app.config import AppConfig, load_app_config
 from serve_app.gateway.keys import KeyStore, create_key
-from serve_app.kuberay import main, manifest, render
+from serve_app.ops.kuberay import main, manifest, render
 
 ROOT = Path(__file__).resolve().parents[2]
 PROD = ROOT / "configs/prod.yaml"

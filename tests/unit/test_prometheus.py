@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from serve_app.prometheus import (
+from serve_app.local.prometheus import (
     Prometheus,
     build_config,
     targets_from_nodes,

@@ -1,4 +1,4 @@
-"""loadtests.stack, the one stack harness, without Ray: processes are stopped with their whole
+"""loadtests.harness.stack, the one stack harness, without Ray: processes are stopped with their whole
 tree, configs are copied onto a private port and keys file, keys come from the public command,
 and an app that exits during start-up fails fast with its log."""
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from loadtests import bench_procs
-from loadtests import stack as harness
+from loadtests.bench import procs as bench_procs
+from loadtests.harness import stack as harness
 from serve_app.gateway.keys import KeyStore
 
 LOCAL = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from loadtests import stack as harness
+from loadtests.harness import stack as harness
 from loadtests.sweep import apply_value, main
 
 LOCAL = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"

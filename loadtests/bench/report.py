@@ -6,7 +6,7 @@ import statistics
 from typing import Any
 
 SIDES = ("direct", "gateway")
-# --peers adds these sides (loadtests.bench_peers); every side is compared with "direct".
+# --peers adds these sides (loadtests.bench.peers); every side is compared with "direct".
 PEER_SIDES = ("rayserve", "litellm")
 SIDE_NAMES = {
     "direct": "direct vLLM",

@@ -13,7 +13,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-DASHBOARD_DIR = Path(__file__).resolve().parents[1] / "dashboards" / "grafana"
+DASHBOARD_DIR = Path(__file__).resolve().parents[2] / "dashboards" / "grafana"
 
 
 def _folder_uid(api: Any, title: str) -> str:

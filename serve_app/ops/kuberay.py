@@ -1,4 +1,4 @@
-"""The KubeRay manifest for a Serve config file: ``python -m serve_app.kuberay``.
+"""The KubeRay manifest for a Serve config file: ``python -m serve_app.ops.kuberay``.
 
 ``deploy/kuberay/rayservice.yaml`` is generated from ``configs/prod.yaml`` and committed; ``--check``
 fails when it is stale (a test runs it). The manifest holds:
@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from serve_app.config import load_app_config
-from serve_app.front_door import GRPC_ENV
+from serve_app.local.front_door import GRPC_ENV
 
 DEFAULT_CONFIG = "configs/prod.yaml"
 DEFAULT_OUT = "deploy/kuberay/rayservice.yaml"
@@ -165,14 +165,14 @@ _Dumper.add_representer(str, _str)
 
 
 def render(config_path: Path) -> str:
-    header = (f"# Generated from {config_path} by `python -m serve_app.kuberay`; do not edit.\n"
+    header = (f"# Generated from {config_path} by `python -m serve_app.ops.kuberay`; do not edit.\n"
               f"# Before applying: create the Secret `{KEYS_SECRET}` (key keys.yaml) and the "
               f"PersistentVolumeClaim `{CACHE_CLAIM}`.\n")
     return header + yaml.dump_all(manifest(config_path), Dumper=_Dumper, sort_keys=False)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m serve_app.kuberay", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m serve_app.ops.kuberay", description=__doc__.split("\n")[0])
     p.add_argument("--config", default=DEFAULT_CONFIG)
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--check", action="store_true", help="exit 1 if --out is not what would be written")
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(ns.out)
     if ns.check:
         if not out.exists() or out.read_text() != text:
-            print(f"{out} is stale: run python -m serve_app.kuberay", file=sys.stderr)
+            print(f"{out} is stale: run python -m serve_app.ops.kuberay", file=sys.stderr)
             return 1
         print(f"{out} is up to date")
         return 0

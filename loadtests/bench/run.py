@@ -8,7 +8,7 @@ concurrency and for each repeat, and reports medians, the gateway/direct ratios 
 replica's peak RSS. It fails (exit 1) if a request failed or an output token count differs.
 
 The direct side gets the engine arguments from ``serve-app engine-args``, the stack comes from
-loadtests.stack and its key from ``serve-app keys create``: the benchmark uses only public commands.
+loadtests.harness.stack and its key from ``serve-app keys create``: the benchmark uses only public commands.
 
 Results: ``results/bench/bench-<timestamp>.json`` and ``.md`` (``--results-dir``); vLLM's own
 console output goes to ``results/bench/bench-<timestamp>.log``. All traffic goes to 127.0.0.1.
@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from loadtests import bench_peers as peers
-from loadtests import bench_procs as procs
-from loadtests import bench_report as report
-from loadtests import stack as harness
-from loadtests.bench_procs import say
-from loadtests.stack import ROOT, Proc, Stack
+from loadtests.bench import peers as peers
+from loadtests.bench import procs as procs
+from loadtests.bench import report as report
+from loadtests.harness import stack as harness
+from loadtests.bench.procs import say
+from loadtests.harness.stack import ROOT, Proc, Stack
 
 ENDPOINTS = {"openai-chat": "/v1/chat/completions", "openai": "/v1/completions"}
 FULL = {"concurrency": "1,16,64", "input_len": 128, "output_len": 64, "repeats": 3}
@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also run the same load against the peers (default with the flag: "
                         f"{','.join(report.PEER_SIDES)}): Ray Serve LLM and the LiteLLM proxy in "
                         "front of direct vLLM, each from its own venv under the results folder "
-                        "(loadtests.bench_peers); adds a chart (.png)")
+                        "(loadtests.bench.peers); adds a chart (.png)")
     ns = p.parse_args(argv)
     defaults = SMOKE if ns.smoke else FULL
     for k, v in defaults.items():
@@ -172,7 +172,7 @@ def gateway_rss(ray_address: str | None, workdir: Path) -> int | None:
     # Clusters started by ray.init() use token auth; an explicit address does not enable it.
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
     proc = harness.spawn("gateway RSS query",
-                         [sys.executable, "-m", "loadtests.bench_rss", ray_address], log, env=env)
+                         [sys.executable, "-m", "loadtests.bench.rss", ray_address], log, env=env)
     try:
         proc.popen.wait(timeout=90)
     except subprocess.TimeoutExpired:
@@ -346,7 +346,7 @@ def peers_section(summary: dict[int, dict[str, Any]], ns: argparse.Namespace, ba
                   meta: dict[str, Any]) -> str:
     """The side-by-side table, the CPU table at the highest concurrency, the deviations, and the
     chart (``<base>.png``)."""
-    from loadtests import bench_chart
+    from loadtests.bench import chart as bench_chart
 
     top = max(ns.concurrencies)
     png = base.with_suffix(".png")

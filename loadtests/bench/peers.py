@@ -12,7 +12,7 @@ never from the project's:
   remote model-cost-map fetch off.
 
 The deviations from each peer's defaults are in ``DEVIATIONS`` (and docs/PERFORMANCE.md). Starting
-and stopping processes is loadtests.stack's job; this module only says what to run.
+and stopping processes is loadtests.harness.stack's job; this module only says what to run.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtests.stack import Proc, spawn
+from loadtests.harness.stack import Proc, spawn
 
 LITELLM_VERSION = "1.83.10"
 COMPROMISED_LITELLM = frozenset({"1.107.0"})
@@ -126,8 +126,8 @@ def rayserve_llm_config(model_id: str, model_path: str, engine_kwargs: dict[str,
 
 
 def rayserve_command(python: Path, spec: Path) -> list[str]:
-    """Our runner (``loadtests.bench_peer_rayserve``) under the peer venv's python."""
-    return [str(python), "-m", "loadtests.bench_peer_rayserve", str(spec)]
+    """Our runner (``loadtests.bench.peer_rayserve``) under the peer venv's python."""
+    return [str(python), "-m", "loadtests.bench.peer_rayserve", str(spec)]
 
 
 def start_rayserve(python: Path, workdir: Path, port: int, llm_config: dict[str, Any],
@@ -185,13 +185,13 @@ def deviations_markdown(peers: Sequence[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m loadtests.bench_peers [--results-dir DIR] [PEER ...]``: make the peers' venvs now
+    """``python -m loadtests.bench.peers [--results-dir DIR] [PEER ...]``: make the peers' venvs now
     (a few minutes the first time), so that the benchmark itself starts at once."""
     import argparse
 
-    from loadtests.stack import ROOT
+    from loadtests.harness.stack import ROOT
 
-    p = argparse.ArgumentParser(prog="python -m loadtests.bench_peers", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m loadtests.bench.peers", description=main.__doc__)
     p.add_argument("peers", nargs="*", default=list(DEVIATIONS))
     p.add_argument("--results-dir", default=str(ROOT / "results" / "bench"))
     ns = p.parse_args(argv)

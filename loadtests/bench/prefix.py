@@ -1,6 +1,6 @@
 """A long shared system prompt through the gateway: TTFT with prefix caching on and off, per tenant.
 
-``python -m loadtests.bench_prefix`` starts the stack with two copies of ``tiny-chat``: one with
+``python -m loadtests.bench.prefix`` starts the stack with two copies of ``tiny-chat``: one with
 vLLM's prefix caching on (``tiny-chat``), one with it off (``tiny-chat-nocache``), and two keys, each
 its own tenant (the gateway gives each tenant its own vLLM ``cache_salt``). Then, streaming
 ``/v1/chat/completions`` with a system prompt of about ``--system-tokens`` tokens (10,000) and a
@@ -30,9 +30,9 @@ from typing import Any
 
 import httpx
 
-from loadtests import stack as harness
-from loadtests.bench_procs import say
-from loadtests.stack import ROOT
+from loadtests.harness import stack as harness
+from loadtests.bench.procs import say
+from loadtests.harness.stack import ROOT
 
 CACHED, UNCACHED = "tiny-chat", "tiny-chat-nocache"
 TIER = "bench-unlimited"
@@ -42,7 +42,7 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtests.bench_prefix", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m loadtests.bench.prefix", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/local.yaml")
     p.add_argument("--system-tokens", type=int, default=10_000, help="system prompt length (tokens)")
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     base = out_dir / f"prefix-{stamp}"
-    command = " ".join(["python", "-m", "loadtests.bench_prefix", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["python", "-m", "loadtests.bench.prefix", *(argv if argv is not None else sys.argv[1:])])
     workdir = Path(tempfile.mkdtemp(prefix="serve-app-prefix-"))
     stack = harness.start_stack(config, workdir, edit=two_models_edit, retries=1, say=say,
                                 keys={"tenant-a": (TIER, ["*"]), "tenant-b": (TIER, ["*"])})

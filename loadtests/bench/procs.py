@@ -1,5 +1,5 @@
 """Processes for the benchmark: direct vLLM, CPU accounting of a process tree, and finding a
-running stack's Ray cluster. Starting and stopping processes (and the stack) is loadtests.stack's
+running stack's Ray cluster. Starting and stopping processes (and the stack) is loadtests.harness.stack's
 job; nothing here stops a process.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from loadtests.stack import Proc, all_pids, cmdline, descendants, proc_stat, spawn
+from loadtests.harness.stack import Proc, all_pids, cmdline, descendants, proc_stat, spawn
 
 
 def say(msg: str) -> None:

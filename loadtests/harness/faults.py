@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from loadtests.stack import cmdline, descendants, proc_stat
+from loadtests.harness.stack import cmdline, descendants, proc_stat
 
 OK_KINDS = frozenset({"completed", "error_event", "unavailable", "rate_limited"})
 

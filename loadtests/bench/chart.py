@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from loadtests.bench_report import SIDE_NAMES
+from loadtests.bench.report import SIDE_NAMES
 
 
 def plot(summary: dict[int, dict[str, Any]], sides: tuple[str, ...], out: Path, title: str = "") -> Path:

@@ -1,4 +1,4 @@
-"""Print the gateway replica's diagnostics as JSON: ``python -m loadtests.bench_rss <gcs address>``.
+"""Print the gateway replica's diagnostics as JSON: ``python -m loadtests.bench.rss <gcs address>``.
 
 A process of its own, so the benchmark process never joins a Ray cluster, and with a timeout.
 Clusters that ``ray.init()`` starts use token authentication (the token in ~/.ray/auth_token), and

@@ -1,6 +1,6 @@
 """Gateway capacity against a SYNTHETIC upstream: how many streams and tokens/s one gateway core relays.
 
-``python -m loadtests.bench_gateway --replicas 1,2,4`` starts the stack (``serve-app run``) with one
+``python -m loadtests.bench.gateway --replicas 1,2,4`` starts the stack (``serve-app run``) with one
 model, a synthetic upstream (``synthetic: {tokens_per_s, ttft_ms}``: no engine, made-up tokens at a
 set rate per stream, serve_app/engine/synthetic.py) and R gateway replicas. For each R and each
 stream count N it offers Poisson arrivals at N / (stream duration) requests/s, so that about N
@@ -33,9 +33,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from loadtests import bench_procs as procs
-from loadtests import stack as harness
-from loadtests.stack import ROOT
+from loadtests.bench import procs as procs
+from loadtests.harness import stack as harness
+from loadtests.harness.stack import ROOT
 
 MODEL = "synthetic-chat"
 TIER = "bench-unlimited"
@@ -43,7 +43,7 @@ TOKEN = b"synthetic "
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtests.bench_gateway", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m loadtests.bench.gateway", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/local.yaml", help="base config (gateway settings)")
     p.add_argument("--replicas", default="1,2,4", help="gateway replica counts")
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     base = out_dir / f"gateway-{stamp}"
     rng = random.Random(ns.seed)
     results: dict[int, list[dict[str, Any]]] = {}
-    command = " ".join(["python", "-m", "loadtests.bench_gateway", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["python", "-m", "loadtests.bench.gateway", *(argv if argv is not None else sys.argv[1:])])
     for r in ns.replica_counts:
         workdir = Path(tempfile.mkdtemp(prefix="serve-app-gwbench-"))
         procs.say(f"{r} gateway replica(s): starting the stack with a SYNTHETIC upstream")

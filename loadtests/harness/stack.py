@@ -37,7 +37,7 @@ from pydantic import ValidationError
 
 from serve_app.config import AppConfig, format_validation_error, load_app_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "serve_app.cli"]
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 900.0

@@ -1,6 +1,6 @@
-"""Run Ray Serve LLM for the benchmark: ``<peer venv>/bin/python -m loadtests.bench_peer_rayserve SPEC``.
+"""Run Ray Serve LLM for the benchmark: ``<peer venv>/bin/python -m loadtests.bench.peer_rayserve SPEC``.
 
-SPEC is a JSON file ``{"port", "ready_file", "llm_config"}`` written by loadtests.bench_peers. Starts
+SPEC is a JSON file ``{"port", "ready_file", "llm_config"}`` written by loadtests.bench.peers. Starts
 a local Ray cluster (loopback, dashboard off, 8 logical CPUs), serves
 ``ray.serve.llm.build_openai_app`` with that one ``LLMConfig`` on 127.0.0.1:port, writes the ready
 file once the app runs, and shuts Ray down on SIGINT/SIGTERM. Runs under the peer's venv, so it

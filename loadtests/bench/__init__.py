@@ -1,0 +1,1 @@
+"""Benchmarks: the stack against direct vLLM and peers (run), gateway capacity, prefix cache."""

@@ -1,0 +1,1 @@
+"""Test infrastructure, not load tools: start a stack (stack.py) and break it (faults.py)."""

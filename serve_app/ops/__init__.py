@@ -1,0 +1,1 @@
+"""Operator tools: doctor, the KubeRay manifest, dashboards push."""
