@@ -123,6 +123,18 @@ class Shed(ServiceUnavailable):
     """The model is saturated and the key's tier is shed before the tiers above it."""
 
 
+class AnswerBroken(ServeAppError):
+    """The model began a complete answer (its head arrived) and broke before the rest came.
+
+    Unlike ``ServiceUnavailable`` the model did run the request, so it is neither re-run on a
+    fallback nor booked as a rejection: it is a failure whose token usage is unknown.
+    """
+
+    status = 502
+    type = "server_error"
+    code = "bad_gateway"
+
+
 class GatewayTimeout(ServeAppError):
     status = 504
     type = "server_error"

@@ -394,11 +394,13 @@ class GatewayConfig(_Strict):
         description="Longest silence allowed between two chunks of a stream before it is ended "
         "with an error.",
     )
-    retry_after_s: PositiveInt = 2
+    retry_after_s: PositiveInt = Field(
+        default=2, description="The Retry-After of every 503 the gateway answers itself."
+    )
     unavailable_hold_s: PositiveFloat = Field(
         default=5.0,
-        description="Longest a request waits for a model with no healthy replica (all replicas "
-        "dead or restarting) before it is answered 503 with Retry-After.",
+        description="Longest a request waits for its first answer from a model that lost its "
+        "healthy replicas (all dead or restarting) before it is answered 503 with Retry-After.",
     )
     drain_timeout_s: PositiveFloat = Field(
         default=10.0,
@@ -424,8 +426,9 @@ class GatewayConfig(_Strict):
     )
     replicas_refresh_s: PositiveFloat = Field(
         default=2.0,
-        description="How often each gateway replica reads the running replicas of every model "
-        "from Ray Serve; admission capacity and tier shedding follow that count.",
+        description="How often each gateway replica reads Ray Serve's status (its one reader): the "
+        "running replicas of every model, which admission capacity, tier shedding and the outage "
+        "hold follow, and whether the app is being deleted (the drain).",
     )
 
 

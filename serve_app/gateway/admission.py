@@ -11,18 +11,16 @@ gateway replicas) are below both its capacity (``max_ongoing_requests`` x runnin
 for that tier). ``saturation_requests`` is given for the model at its largest (``max_replicas``),
 and both bounds follow the replicas running now (``replicas.LiveReplicas``), so that an
 autoscaled model running one replica sheds batch at the right point and grows its bounds when it
-scales up. A model with no running replica is waited for (``gateway.unavailable_hold_s``, the
-same bound the forwarder holds a request for a model that went down), then refused with 503. The gateway enforces the capacity itself: Ray Serve's ``max_queued_requests`` is
-counted per caller and only for requests waiting to be routed, so a burst can pass it. The slot is
+scales up. A model with no running replica is refused with 503 at once (the forwarder's outage
+guard holds only requests admitted before their model went down). The gateway enforces the
+capacity itself: Ray Serve's ``max_queued_requests`` is counted per caller and only for requests waiting to be routed, so a burst can pass it. The slot is
 taken in the same step as the check, with no ``await`` between, so a burst cannot pass it here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
-import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -99,17 +97,6 @@ class Admission:
         saturation = None if sat is None else sat * min(running, most) / most
         return capacity, saturation
 
-    async def _wait_for_replica(self, model_ids: Sequence[str]) -> None:
-        """While no candidate model has a running replica (starting, being replaced, its node
-        lost), wait up to ``gateway.unavailable_hold_s`` for one; then admission refuses."""
-        if self.replicas is None or any(self.running(m) > 0 for m in model_ids):
-            return
-        deadline = time.monotonic() + self.cfg.gateway.unavailable_hold_s
-        while time.monotonic() < deadline:
-            await asyncio.sleep(min(0.2, self.cfg.gateway.replicas_refresh_s))
-            if any(self.running(m) > 0 for m in model_ids):
-                return
-
     def tier(self, key: KeyRecord) -> TierConfig:
         return self.cfg.tiers.get(key.tier) or self.cfg.tiers[self.cfg.default_tier]
 
@@ -163,7 +150,6 @@ class Admission:
         """Admit on the first of ``model_ids`` with room (the primary, then its fallback)."""
         completion = self.clamp_max_tokens(body, key)
         prompt = math.ceil(body_bytes / _BYTES_PER_TOKEN)
-        await self._wait_for_replica(model_ids)
         model_id = self._take_slot(key, model_ids)
         # The engine never makes more than the context left after the prompt (agents ask for
         # 32k-64k max_tokens), so the reservation is clamped to it, and one turn does not take a

@@ -12,7 +12,7 @@ from serve_app import logflush
 from serve_app.config import AppConfig
 from serve_app.gateway.admission import Admission
 from serve_app.gateway.api import GatewayDeps, build_api
-from serve_app.gateway.drain import Drain, app_deleting_from_status
+from serve_app.gateway.drain import Drain
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.keys import KeyStore
 from serve_app.gateway.outage import OutageGuard
@@ -22,13 +22,6 @@ from serve_app.gateway.limits import LimitBackend, MemoryBackend, RedisBackend
 from serve_app.gateway.routing import Router
 from serve_app.gateway.usage import MemoryUsageStore, RedisUsageStore, Usage, UsageStore
 from serve_app.metrics import GatewayMetrics
-
-
-def _app_name() -> str:
-    try:
-        return str(serve.get_replica_context().app_name)
-    except Exception:  # built outside a replica (unit tests)
-        return "llm"
 
 
 @serve.deployment
@@ -44,16 +37,17 @@ class Gateway:
         store: UsageStore = RedisUsageStore(redis_url) if redis_url else MemoryUsageStore()
         router = Router(cfg)
         usage = Usage(store, GatewayMetrics.create(cfg))
-        # One reader of Ray Serve's status: running replicas per model, refreshed in a thread.
-        # Admission sizes its bounds by them; the outage guard asks them whether a model is down.
+        # The one reader of Ray Serve's status, refreshed in a thread: admission sizes its bounds
+        # by the running replicas, the outage guard asks whether a model has none, the drain
+        # whether the app is being deleted.
         self.replicas = LiveReplicas(
             serve_status_fetch({m.id: m.deployment_name for m in cfg.models}),
             cfg.gateway.replicas_refresh_s,
         )
         self.replicas.start()
         self.admission = Admission(cfg, backend, self.replicas)
-        outage = OutageGuard(cfg.gateway.unavailable_hold_s, self.replicas.snapshot)
-        drain = Drain(cfg.gateway.drain_timeout_s, app_deleting_from_status(_app_name()))
+        outage = OutageGuard(cfg.gateway.unavailable_hold_s, self.replicas)
+        drain = Drain(cfg.gateway.drain_timeout_s, self.replicas)
         forwarder = Forwarder(handles, cfg.gateway, outage, drain)
         self.deps = GatewayDeps(
             cfg=cfg,

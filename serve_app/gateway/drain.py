@@ -5,15 +5,15 @@ When the app is deleted (Ctrl-C of ``serve-app run``, ``serve shutdown``, ``serv
 Serve waits for a gateway replica's ongoing requests before it stops it, but only up to the
 deployment's ``graceful_shutdown_timeout_s``; then it kills the replica, and every stream it still
 held was cut with no error event. Ray Serve tells a replica nothing before that, so ``Drain`` reads
-the app's public status (``serve.status()``: ``DELETING``) once a second while this replica holds
-a stream (never when idle). Once the app is deleting:
+``replicas.LiveReplicas``, which sees the app's public status turn ``DELETING``. From the moment
+that was seen:
 
 - new requests get 503 ``service_unavailable`` with ``Retry-After``;
 - streams keep going until ``timeout_s`` has passed; those still running then are cancelled at the
   model and end with an error event (``stopped`` tells the relay so).
 
-The gateway's ``graceful_shutdown_timeout_s`` is ``drain_timeout_s`` plus a margin (app.py), so Ray
-Serve never kills a replica before its drain ends.
+The gateway's ``graceful_shutdown_timeout_s`` is ``drain_timeout_s`` plus a margin (app.py) that
+covers the status's refresh period, so Ray Serve never kills a replica before its drain ends.
 """
 
 from __future__ import annotations
@@ -24,19 +24,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from serve_app.gateway.replicas import LiveReplicas
+
 logger = logging.getLogger("ray.serve")
-
-DeletingFn = Callable[[], bool]
-
-
-def app_deleting_from_status(app_name: str) -> DeletingFn:
-    def read() -> bool:
-        from ray import serve
-
-        app = serve.status().applications.get(app_name)
-        return app is None or str(getattr(app.status, "value", app.status)) == "DELETING"
-
-    return read
 
 
 class Stream:
@@ -54,11 +44,10 @@ class Stream:
 class Drain:
     """The gateway replica's in-flight streams, and whether the app is being stopped."""
 
-    def __init__(self, timeout_s: float, deleting: DeletingFn | None, *, poll_s: float = 1.0,
+    def __init__(self, timeout_s: float, replicas: LiveReplicas | None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.timeout_s = timeout_s
-        self._deleting = deleting
-        self.poll_s = poll_s
+        self._replicas = replicas
         self.clock = clock
         self.since: float | None = None
         self.active: set[Stream] = set()
@@ -66,13 +55,18 @@ class Drain:
 
     @property
     def draining(self) -> bool:
+        if self.since is None and self._replicas is not None:
+            self.since = self._replicas.deleting_since
+            if self.since is not None:
+                logger.warning("the app is stopping: %d streams get up to %.0f s to finish",
+                               len(self.active), self.timeout_s)
         return self.since is not None
 
     def track(self, cancel: Callable[[], Any]) -> Stream:
         stream = Stream(cancel)
         self.active.add(stream)
-        if self._deleting is not None and (self._task is None or self._task.done()):
-            self._task = asyncio.get_running_loop().create_task(self._watch())
+        if self._replicas is not None and (self._task is None or self._task.done()):
+            self._task = asyncio.get_running_loop().create_task(self._watch(self._replicas))
         if self.draining and self.clock() - (self.since or 0.0) >= self.timeout_s:
             stream.stop()
         return stream
@@ -80,31 +74,14 @@ class Drain:
     def done(self, stream: Stream) -> None:
         self.active.discard(stream)
 
-    async def _is_deleting(self) -> bool:
-        assert self._deleting is not None
-        try:
-            return await asyncio.to_thread(self._deleting)
-        except Exception:  # the controller is gone or busy: no news
-            return False
-
-    async def _watch(self) -> None:
+    async def _watch(self, replicas: LiveReplicas) -> None:
+        """While streams run: notice the deletion, then stop what is left at the deadline."""
         while self.active and not self.draining:
-            if await self._is_deleting():
-                self.begin()
-                break
-            await asyncio.sleep(self.poll_s)
-        if not self.draining:
-            return
-        deadline = (self.since or self.clock()) + self.timeout_s
-        while self.active and self.clock() < deadline:
-            await asyncio.sleep(min(0.1, max(0.0, deadline - self.clock())))
-        self.stop_all()
-
-    def begin(self) -> None:
+            await asyncio.sleep(replicas.refresh_s)
         if self.since is None:
-            self.since = self.clock()
-            logger.warning("the app is stopping: %d streams get up to %.0f s to finish",
-                           len(self.active), self.timeout_s)
+            return
+        await asyncio.sleep(max(0.0, self.since + self.timeout_s - self.clock()))
+        self.stop_all()
 
     def stop_all(self) -> int:
         left = list(self.active)

@@ -1,11 +1,13 @@
 """Send a request to a model deployment and turn its answer into an HTTP response.
 
 The model answers with a head (status, stream flag, first bytes) and then, for a stream, chunks of
-raw SSE bytes (relayed unparsed) and a trailer (see ``protocol``). A failure before the first byte
-raises an OpenAI-shaped error for the pipeline to close the request's ledger with; once an answer
-exists, this module closes the ledger when it ends. A failure after the first byte becomes a final
-error event in the endpoint's stream format (``protocol.stream_error``), so a stream never just
-stops.
+raw SSE bytes (relayed unparsed) and a trailer (see ``protocol``). When no whole answer comes, an
+OpenAI-shaped error is raised for the pipeline to close the request's ledger with:
+``ServiceUnavailable`` when nothing ran (the pipeline may fall back), ``AnswerBroken`` when a
+complete answer broke off after its head (the model ran). Otherwise the request's end belongs to
+this module: a complete answer closes the ledger before it is returned, and a stream is a
+``LedgerStream``, whose ``__call__`` ends the request however the response ends. A failure mid-stream becomes a final error event in the endpoint's stream format
+(``protocol.stream_error``), so a stream never just stops.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -24,10 +26,11 @@ from ray.serve.exceptions import (
     RequestCancelledError,
 )
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from serve_app import errors
 from serve_app.config import GatewayConfig
-from serve_app.gateway.drain import Drain
+from serve_app.gateway.drain import Drain, Stream
 from serve_app.gateway.ledger import Ledger, Outcome
 from serve_app.gateway.outage import ModelDown, OutageGuard
 from serve_app.protocol import Endpoint, Head, RequestContext, Tokens, stream_error, tokens_of
@@ -52,16 +55,16 @@ class Forwarder:
         self.cfg = cfg
         self.outage = outage if outage is not None else OutageGuard(cfg.unavailable_hold_s, None)
         self.drain = drain if drain is not None else Drain(cfg.drain_timeout_s, None)
-        self._pending: set[asyncio.Task[None]] = set()
         # How the last call travelled: "grpc" (Ray Serve's throughput mode) or "object refs"
         # (Ray's default). In the replica's diagnostics (serve-app diagnose); a test checks it.
         self.transport = "none yet"
 
-    def _unavailable(self, model_id: str, why: str) -> errors.ServiceUnavailable:
-        return errors.ServiceUnavailable(
-            f"model {model_id!r} is {why}; retry shortly",
-            retry_after_s=self.cfg.retry_after_s,
-        )
+    def unavailable(self, message: str) -> errors.ServiceUnavailable:
+        """A 503 with the gateway's one ``Retry-After`` (``gateway.retry_after_s``)."""
+        return errors.ServiceUnavailable(message, retry_after_s=self.cfg.retry_after_s)
+
+    def model_unavailable(self, model_id: str, why: str) -> errors.ServiceUnavailable:
+        return self.unavailable(f"model {model_id!r} is {why}; retry shortly")
 
     async def forward(
         self,
@@ -71,13 +74,14 @@ class Forwarder:
         ctx: RequestContext,
         headers: dict[str, str],
     ) -> Response:
-        """Call ``ledger.model_id``. Raises ``ServeAppError`` if no answer came (the ledger stays
-        open); otherwise the ledger is closed here once the answer ends, however it ends."""
+        """Call ``ledger.model_id``. Raises ``ServeAppError`` if no whole answer came (the ledger
+        stays open for the caller: ``ServiceUnavailable`` when nothing ran, ``AnswerBroken`` when a
+        complete answer broke off after its head); otherwise returns a response that owns the
+        ledger's close (done already for a complete answer, by ``LedgerStream`` for a stream)."""
         start = time.monotonic()
         model_id = ledger.model_id
         if self.drain.draining:
-            raise errors.ServiceUnavailable("the server is shutting down; retry shortly",
-                                            retry_after_s=self.cfg.retry_after_s)
+            raise self.unavailable("the server is shutting down; retry shortly")
         gen = self._handles[model_id].handle.remote(endpoint.name, body, ctx.to_dict())
         self.transport = "object refs" if getattr(gen, "by_reference", True) else "grpc"
         first = await self._first(model_id, gen, start)
@@ -87,17 +91,14 @@ class Forwarder:
             # lets the pipeline fall back, or answer 503 with the gateway's Retry-After.
             gen.cancel()
             self.outage.saw_failure(model_id)
-            raise self._unavailable(model_id, "restarting its engine")
+            raise self.model_unavailable(model_id, "restarting its engine")
         if first["stream"]:
-            return StreamingResponse(
-                self._relay(ledger, endpoint, first, gen, start, ttft),
-                media_type="text/event-stream",
-                headers={**headers, **STREAM_HEADERS},
-            )
-        answer: bytes = first["body"]
-        if first.get("parts"):
-            answer = await self._rest(model_id, gen, first)
-        gen.cancel()  # the answer is complete; release the stream promptly
+            relay = Relay(self, ledger, endpoint, first, gen, start, ttft)
+            return LedgerStream(relay, headers={**headers, **STREAM_HEADERS})
+        try:
+            answer = await self._rest(model_id, gen, first) if first.get("parts") else first["body"]
+        finally:
+            gen.cancel()  # the answer is complete (or broken); release the stream promptly
         tokens = first["tokens"] if first["tokens"] is not None else tokens_of(0, 0)
         await ledger.close(Outcome(first["status"], tokens, ttft_s=None, duration_s=ttft))
         return Response(
@@ -106,7 +107,7 @@ class Forwarder:
 
     async def _rest(self, model_id: str, gen: Any, first: Head) -> bytes:
         """A complete answer sent in parts (``protocol.split_complete``): the head's bytes and the
-        ``parts`` that follow it."""
+        ``parts`` that follow it. Raises ``AnswerBroken`` if they stop coming: the model ran."""
         parts = [first["body"]]
         try:
             async with asyncio.timeout(self.cfg.stream_idle_timeout_s):
@@ -115,13 +116,12 @@ class Forwarder:
                     if not isinstance(part, bytes):
                         raise TypeError(f"expected an answer part, got {type(part).__name__}")
                     parts.append(part)
-        except BaseException as exc:
-            gen.cancel()
-            if isinstance(exc, Exception):
-                logger.error("answer from %s broke after its head: %s", model_id,
-                             exc.__class__.__name__)
-                raise self._unavailable(model_id, "unavailable") from None
-            raise
+        except Exception as exc:
+            logger.error("answer from %s broke after its head: %s", model_id,
+                         exc.__class__.__name__)
+            raise errors.AnswerBroken(
+                f"the answer of model {model_id!r} broke off; retry the request"
+            ) from None
         return b"".join(parts)
 
     async def _first(self, model_id: str, gen: Any, start: float) -> Head:
@@ -132,13 +132,13 @@ class Forwarder:
                 first: Head = await self.outage.first(model_id, gen.__anext__(), start)
                 return first
         except BackPressureError:
-            raise self._unavailable(model_id, "at capacity") from None
+            raise self.model_unavailable(model_id, "at capacity") from None
         except ModelDown:
             gen.cancel()
-            raise self._unavailable(model_id, "down (no healthy replica)") from None
+            raise self.model_unavailable(model_id, "down (no healthy replica)") from None
         except _UNAVAILABLE:
             self.outage.saw_failure(model_id)
-            raise self._unavailable(model_id, "unavailable") from None
+            raise self.model_unavailable(model_id, "unavailable") from None
         except TimeoutError:
             gen.cancel()
             raise errors.GatewayTimeout(
@@ -149,65 +149,99 @@ class Forwarder:
         except RayTaskError as exc:
             logger.error("model %s failed: %s", model_id, exc.__class__.__name__)
             self.outage.saw_failure(model_id)
-            raise self._unavailable(model_id, "failing") from None
+            raise self.model_unavailable(model_id, "failing") from None
         except BaseException:
             gen.cancel()  # the client went away (or this task was cancelled) before an answer
             raise
 
-    async def _relay(
-        self, ledger: Ledger, endpoint: Endpoint, first: Head, gen: Any, start: float, ttft: float
-    ) -> AsyncIterator[bytes]:
-        model_id = ledger.model_id
-        finished = False
+
+class Relay:
+    """One model stream on its way to the client, and what it has told of its tokens so far."""
+
+    def __init__(self, fwd: Forwarder, ledger: Ledger, endpoint: Endpoint, first: Head, gen: Any,
+                 start: float, ttft: float) -> None:
+        self._fwd = fwd
+        self._ledger = ledger
+        self._endpoint = endpoint
+        self._first = first
+        self._gen = gen
+        self._start = start
+        self._ttft = ttft
+        self.finished = False  # the model's stream ended (or was cancelled by the relay itself)
         # The engine's counts so far: the head has the prompt's, each chunk the completion's, and
         # the trailer the final ones. A stream cut short is charged what the last chunk said.
         so_far = first["tokens"] or tokens_of(0, 0)
-        prompt, completion = so_far["prompt_tokens"], so_far["completion_tokens"]
-        final: Tokens | None = None
-        stream = self.drain.track(gen.cancel)  # a graceful stop ends it cleanly (drain.py)
+        self._prompt, self._completion = so_far["prompt_tokens"], so_far["completion_tokens"]
+        self._final: Tokens | None = None
+        # In flight from the head on: a graceful stop ends it cleanly (drain.py).
+        self._stream: Stream = fwd.drain.track(gen.cancel)
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        """The SSE bytes for the client; the request's end is ``end``'s, not this generator's."""
+        cfg, model_id, gen = self._fwd.cfg, self._ledger.model_id, self._gen
         try:
-            if first["body"]:
-                yield first["body"]
+            if self._first["body"]:
+                yield self._first["body"]
             while True:
                 try:
-                    async with asyncio.timeout(self.cfg.stream_idle_timeout_s):
+                    async with asyncio.timeout(cfg.stream_idle_timeout_s):
                         item = await gen.__anext__()
                 except StopAsyncIteration:
-                    finished = True
+                    self.finished = True
                     return
                 if isinstance(item, dict):  # the trailer: accounting only, never relayed
-                    final = item["tokens"]
+                    self._final = item["tokens"]
                     continue
-                data, completion = item
+                data, self._completion = item
                 yield data
         except (asyncio.CancelledError, RequestCancelledError):
-            if not stream.stopped:
+            if not self._stream.stopped:
                 raise  # the client went away
-            finished = True  # the app is stopping and the drain's time is up
-            yield stream_error(endpoint, errors.ServiceUnavailable(
-                "the server is shutting down; retry shortly", retry_after_s=self.cfg.retry_after_s))
-        except GeneratorExit:
-            raise
+            self.finished = True  # the app is stopping and the drain's time is up
+            yield stream_error(self._endpoint,
+                               self._fwd.unavailable("the server is shutting down; retry shortly"))
         except Exception as exc:
             if isinstance(exc, TimeoutError):
                 err: errors.ServeAppError = errors.GatewayTimeout(
-                    f"model {model_id!r} sent nothing for {self.cfg.stream_idle_timeout_s:.0f} s"
+                    f"model {model_id!r} sent nothing for {cfg.stream_idle_timeout_s:.0f} s"
                 )
             else:
                 logger.error("stream from %s broke: %s", model_id, exc.__class__.__name__)
-                self.outage.saw_failure(model_id)
-                err = self._unavailable(model_id, "unavailable")
+                self._fwd.outage.saw_failure(model_id)
+                err = self._fwd.model_unavailable(model_id, "unavailable")
             gen.cancel()  # stop the model's work before telling the client
-            finished = True
-            yield stream_error(endpoint, err)
+            self.finished = True
+            yield stream_error(self._endpoint, err)
+
+    async def end(self) -> None:
+        """Stop the model's work if it is still going, and close the request's books."""
+        self._fwd.drain.done(self._stream)
+        if not self.finished:
+            self._gen.cancel()
+        tokens = self._final or tokens_of(self._prompt, self._completion)
+        await self._ledger.close(Outcome(200, tokens, ttft_s=self._ttft,
+                                         duration_s=time.monotonic() - self._start))
+
+
+class LedgerStream(StreamingResponse):
+    """A relayed stream that ends its request exactly once, however the response ends.
+
+    Starlette calls ``__call__`` for every response it sends, even when the client is gone before
+    the body starts; a ``finally`` inside the body iterator would then never run (the generator
+    never started). So ``__call__``'s own ``finally`` is the stream's one closer: it closes the
+    body iterator, cancels the model's stream if unfinished and closes the ledger (``Relay.end``).
+    """
+
+    def __init__(self, relay: Relay, headers: Mapping[str, str]) -> None:
+        self._chunks = relay.chunks()
+        super().__init__(self._chunks, media_type="text/event-stream", headers=headers)
+        self.relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
         finally:
-            self.drain.done(stream)
-            if not finished:
-                gen.cancel()
-            out = Outcome(200, final or tokens_of(prompt, completion), ttft_s=ttft,
-                          duration_s=time.monotonic() - start)
-            # Runs even when the client went away mid-stream: a task, since this frame may be
-            # closing under cancellation.
-            task = asyncio.get_running_loop().create_task(ledger.close(out))
-            self._pending.add(task)
-            task.add_done_callback(self._pending.discard)
+            try:
+                await self._chunks.aclose()
+            finally:
+                await self.relay.end()

@@ -4,10 +4,14 @@ However a request ends (a complete answer, an error before the first byte, an er
 client that went away, a fallback), its ``Ledger`` is closed once with an ``Outcome``: that settles
 the admission ticket (concurrency released, the token reservation settled against the engine's
 real count) and records usage and metrics. The ledger also owns the request's one fallback.
+
+Who closes it: the pipeline when no answer came, the forwarder when it returns a complete answer,
+and ``forward.LedgerStream`` when a stream's response ends (however it ends).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -59,7 +63,7 @@ class Ledger:
         self._usage = usage
         # Admission may already have placed the request on its fallback (the primary was full).
         self._fallback = fallback if fallback != ticket.model_id else None
-        self.closed = False
+        self._books: asyncio.Task[None] | None = None  # the one write of the books (``close``)
 
     @property
     def model_id(self) -> str:
@@ -77,11 +81,15 @@ class Ledger:
         return True
 
     async def close(self, out: Outcome) -> None:
-        """Settle the ticket and record the outcome. Only the first call counts."""
-        if self.closed:
+        """Settle the ticket and record the outcome. Only the first call counts. The books are
+        written to the end even if the caller is cancelled meanwhile (a client that went away)."""
+        if self._books is None:
+            self._books = asyncio.ensure_future(self._write(out))
+        else:
             logger.warning("request on %s closed twice; the second close is ignored", self.model_id)
-            return
-        self.closed = True
+        await asyncio.shield(self._books)
+
+    async def _write(self, out: Outcome) -> None:
         await self._admission.settle(self.ticket, out.used_tokens)
         if out.status == 503:
             await self._usage.rejected(self.key, self.model_id, "backpressure")

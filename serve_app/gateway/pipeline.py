@@ -6,8 +6,8 @@ in order, so the whole path reads top to bottom:
     Router.resolve -> Admission.admit -> Ledger (opened) -> Forwarder.forward -> Ledger.close
 
 A request refused at admission is recorded as a rejection and has no ledger. Once admitted, its
-ledger is closed exactly once: here when no answer came (after one fallback, if the model has one),
-or by the forwarder when the answer ends.
+ledger is closed exactly once: here when no whole answer came (after one fallback, if the model
+has one and nothing ran), or by the forwarder's response when the answer ends.
 """
 
 from __future__ import annotations
@@ -36,6 +36,16 @@ def _rejection_reason(exc: errors.ServeAppError) -> str:
     if isinstance(exc, errors.RateLimited):
         return "rate_limit"
     return "shed" if isinstance(exc, errors.Shed) else "backpressure"
+
+
+def _no_answer(exc: BaseException) -> Outcome:
+    """How a request that got no whole answer ended."""
+    if isinstance(exc, errors.ServiceUnavailable):
+        return Outcome(exc.status, NO_TOKENS)  # refused: nothing ran
+    if isinstance(exc, errors.ServeAppError):
+        # A timeout, an answer that broke off, an internal error: what the engine did is unknown.
+        return Outcome(exc.status)
+    return Outcome(499)  # the client went away before an answer
 
 
 class Pipeline:
@@ -79,24 +89,20 @@ class Pipeline:
             tenant=key.tenant_id,
         )
         # x-request-id is set by Ray Serve's proxy (bounded by gateway/proxy_middleware.py).
-        while True:
-            headers = {"x-served-by": ledger.model_id, **ticket.headers}
-            try:
-                return await self.forwarder.forward(ledger, endpoint, body, ctx, headers)
-            except errors.ServiceUnavailable as exc:
-                # The model refused it (no replica, or Ray Serve's own queue bound): nothing ran.
-                unavailable = ledger.model_id
-                if ledger.fall_back():
+        try:
+            while True:
+                headers = {"x-served-by": ledger.model_id, **ticket.headers}
+                try:
+                    return await self.forwarder.forward(ledger, endpoint, body, ctx, headers)
+                except errors.ServiceUnavailable:
+                    # The model refused it (no replica, or Ray Serve's own queue bound): nothing
+                    # ran, so its fallback may run it.
+                    unavailable = ledger.model_id
+                    if not ledger.fall_back():
+                        raise
                     logger.warning("model %s unavailable; falling back to %s",
                                    unavailable, ledger.model_id)
                     ctx = dataclasses.replace(ctx, request_id=uuid.uuid4().hex)
-                    continue
-                await ledger.close(Outcome(exc.status, NO_TOKENS))
-                raise
-            except errors.ServeAppError as exc:
-                # No answer (a timeout, or an internal error): what the engine did is unknown.
-                await ledger.close(Outcome(exc.status))
-                raise
-            except BaseException:
-                await ledger.close(Outcome(499))  # the client went away before an answer
-                raise
+        except BaseException as exc:
+            await ledger.close(_no_answer(exc))
+            raise

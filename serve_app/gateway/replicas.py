@@ -1,54 +1,72 @@
-"""Live replica counts: how many replicas of each model deployment are running now.
+"""The gateway's one reader of Ray Serve's status: running replicas per model, and DELETING.
 
 An autoscaled model runs between ``min_replicas`` and ``max_replicas``; a model whose node was lost
 or that is being replaced may run fewer than its ``num_replicas``. Admission sizes each model's
-capacity and tier shedding by the replicas running now, so it reads them from Ray Serve's public
-``serve.status()`` in a background thread, every ``gateway.replicas_refresh_s`` (the request path
-only reads a dict). Until the first answer, or while Ray Serve does not answer, the count is
-unknown (None) and admission falls back to the configured replicas.
+capacity and tier shedding by the replicas running now, the outage guard asks whether a model has
+none, and the drain asks whether the app is being deleted. All three read the snapshot that
+``LiveReplicas`` keeps: a daemon thread reads Ray Serve's public ``serve.status()`` every
+``gateway.replicas_refresh_s`` (the request path only reads attributes). Until the first answer,
+or while Ray Serve does not answer, a count is unknown (None) and admission falls back to the
+configured replicas.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger("ray.serve")
 
-Fetch = Callable[[], Mapping[str, int]]
+
+@dataclass(frozen=True)
+class Status:
+    """One reading of Ray Serve's status for this gateway's application."""
+
+    running: Mapping[str, int] = field(default_factory=dict)  # model id -> RUNNING replicas
+    deleting: bool = False  # the app is being deleted (or is gone): the gateway drains
+
+
+Fetch = Callable[[], Status]
 
 
 def serve_status_fetch(deployments: Mapping[str, str]) -> Fetch:
-    """A fetch that reads RUNNING replicas per model id from ``serve.status()`` (``deployments``:
-    model id -> deployment name) in this replica's own application."""
+    """A fetch that reads ``serve.status()`` for this replica's own application: RUNNING replicas
+    per model id (``deployments``: model id -> deployment name), and whether it is DELETING."""
 
-    def fetch() -> Mapping[str, int]:
+    def fetch() -> Status:
         from ray import serve
 
         app_name = serve.get_replica_context().app_name
         app = serve.status().applications.get(app_name)
-        if app is None:
-            return {}
-        out: dict[str, int] = {}
+        if app is None:  # deleted already: its replicas are being stopped
+            return Status(deleting=True)
+        running: dict[str, int] = {}
         for model_id, name in deployments.items():
             d = app.deployments.get(name)
             if d is not None:
                 # ReplicaState is a str enum: its members are equal to (and hash as) their names.
-                out[model_id] = int(d.replica_states.get("RUNNING", 0))  # type: ignore[call-overload]
-        return out
+                running[model_id] = int(d.replica_states.get("RUNNING", 0))  # type: ignore[call-overload]
+        deleting = str(getattr(app.status, "value", app.status)) == "DELETING"
+        return Status(running, deleting)
 
     return fetch
 
 
 class LiveReplicas:
-    """Running replicas per model id, refreshed by a daemon thread (``start``/``stop``)."""
+    """The last status read, refreshed every ``refresh_s`` by a daemon thread (``start``/``stop``)."""
 
-    def __init__(self, fetch: Fetch, refresh_s: float) -> None:
+    def __init__(self, fetch: Fetch, refresh_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._fetch = fetch
-        self._refresh_s = refresh_s
+        self.refresh_s = refresh_s
+        self._clock = clock
         self._counts: dict[str, int] = {}
+        # When a refresh first saw the app deleting; it never goes back.
+        self.deleting_since: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -60,15 +78,18 @@ class LiveReplicas:
         return dict(self._counts)
 
     def refresh(self) -> None:
-        """Read the counts once (the thread calls this; tests may too)."""
+        """Read the status once (the thread calls this; tests may too)."""
         try:
-            counts = dict(self._fetch())
-        except Exception as exc:  # keep the last known counts; admission still works
-            logger.warning("replica counts not refreshed: %s", exc.__class__.__name__)
+            status = self._fetch()
+        except Exception as exc:  # keep the last known status; admission still works
+            logger.warning("Ray Serve's status not refreshed: %s", exc.__class__.__name__)
             return
+        counts = dict(status.running)
         if counts != self._counts:
             logger.info("running replicas: %s", counts)
             self._counts = counts  # one assignment: readers see the old dict or the new one
+        if status.deleting and self.deleting_since is None:
+            self.deleting_since = self._clock()
 
     def start(self) -> None:
         if self._thread is None:
@@ -81,7 +102,8 @@ class LiveReplicas:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self.refresh()
-            self._stop.wait(self._refresh_s)
+            self._stop.wait(self.refresh_s)
 
     def diagnostics(self) -> dict[str, Any]:
-        return {"running_replicas": self.snapshot(), "refresh_s": self._refresh_s}
+        return {"running_replicas": self.snapshot(), "refresh_s": self.refresh_s,
+                "deleting": self.deleting_since is not None}

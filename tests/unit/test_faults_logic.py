@@ -16,17 +16,24 @@ import pytest
 from loadtests.harness.faults import Result, classify, recovery
 from serve_app import logflush
 from serve_app.engine.watchdog import EngineWatchdog
-from serve_app.gateway.outage import ModelDown, OutageGuard, hold_outcome
+from serve_app.gateway.outage import ModelDown, OutageGuard
+from serve_app.gateway.replicas import LiveReplicas, Status
 
 
 # ---- outage hold ------------------------------------------------------------------------------
+def _live(running: dict[str, int], refresh_s: float = 0.05) -> LiveReplicas:
+    live = LiveReplicas(lambda: Status(dict(running)), refresh_s)
+    live.refresh()
+    return live
+
+
 def test_a_request_to_a_model_with_no_running_replica_is_held_then_refused() -> None:
     async def main() -> float:
-        guard = OutageGuard(0.3, lambda: {"m": 0}, check_s=0.05)
+        guard = OutageGuard(0.3, _live({"m": 0}))
         never: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         t0 = time.monotonic()
         with pytest.raises(ModelDown):
-            await guard.first("m", never)
+            await guard.first("m", never, t0)
         assert never.cancelled()
         return time.monotonic() - t0
 
@@ -35,56 +42,42 @@ def test_a_request_to_a_model_with_no_running_replica_is_held_then_refused() -> 
 
 
 def test_a_slow_answer_from_a_healthy_model_is_never_cut() -> None:
-    calls = []
-
-    def status() -> dict[str, int | None]:
-        calls.append(1)
-        return {"m": 1}
-
     async def main() -> int:
-        guard = OutageGuard(0.05, status, check_s=0.02, status_ttl_s=0.1)
+        guard = OutageGuard(0.05, _live({"m": 1}, refresh_s=0.02))
 
         async def slow() -> int:
             await asyncio.sleep(0.4)
             return 7
 
-        return await guard.first("m", slow())
+        return await guard.first("m", slow(), time.monotonic())
 
     assert asyncio.run(main()) == 7
-    assert 1 <= len(calls) <= 6  # the status is cached, not read on every check
 
 
 def test_a_failure_seen_by_the_gateway_counts_until_an_answer_clears_it() -> None:
     async def main() -> None:
-        guard = OutageGuard(0.1, lambda: {"m": 1}, check_s=0.02)
+        guard = OutageGuard(0.1, _live({"m": 1}))
         guard.saw_failure("m")
         never: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         with pytest.raises(ModelDown):
-            await guard.first("m", never)
+            await guard.first("m", never, time.monotonic())
 
         async def quick() -> int:
             return 1
 
-        assert await guard.first("m", quick()) == 1  # an answer clears the failure
-        assert not await guard.is_down("m")
+        assert await guard.first("m", quick(), time.monotonic()) == 1  # an answer clears it
+        assert not guard.is_down("m")
 
     asyncio.run(main())
 
 
-def test_an_unreadable_status_is_no_evidence_of_an_outage() -> None:
-    def broken() -> dict[str, int | None]:
+def test_an_unknown_count_is_no_evidence_of_an_outage() -> None:
+    def broken() -> Status:
         raise RuntimeError("controller busy")
 
-    async def main() -> bool:
-        return await OutageGuard(0.1, broken).is_down("m")
-
-    assert asyncio.run(main()) is False
-
-
-def test_hold_outcome() -> None:
-    assert hold_outcome(0.2, 5) == "fast"
-    assert hold_outcome(5.3, 5) == "held"
-    assert hold_outcome(24.0, 5) == "hung"
+    live = LiveReplicas(broken, 0.05)
+    live.refresh()
+    assert OutageGuard(0.1, live).is_down("m") is False
 
 
 # ---- watchdog ---------------------------------------------------------------------------------
@@ -240,42 +233,43 @@ def test_the_soak_rules() -> None:
 def test_the_drain_lets_streams_finish_then_stops_the_rest() -> None:
     from serve_app.gateway.drain import Drain
 
-    deleting = {"now": False}
+    status = {"deleting": False}
+    live = LiveReplicas(lambda: Status({}, status["deleting"]), 0.02)
     cancelled: list[str] = []
 
     async def main() -> None:
-        drain = Drain(0.3, lambda: deleting["now"], poll_s=0.02)
+        drain = Drain(0.3, live)
         quick = drain.track(lambda: cancelled.append("quick"))
         slow = drain.track(lambda: cancelled.append("slow"))
         await asyncio.sleep(0.1)
         assert not drain.draining
-        deleting["now"] = True
+        status["deleting"] = True
+        live.refresh()  # the thread's next reading
         await asyncio.sleep(0.1)
         assert drain.draining
         drain.done(quick)  # finished in time
         await asyncio.sleep(0.35)
         assert slow.stopped and not quick.stopped
         assert cancelled == ["slow"]
+        late = drain.track(lambda: cancelled.append("late"))  # after the deadline: at once
+        assert late.stopped
 
     asyncio.run(main())
 
 
-def test_an_idle_gateway_never_reads_the_status() -> None:
+def test_the_drain_counts_from_when_the_deletion_was_seen() -> None:
+    """The deadline runs from the status reading, not from when a stream next looks at it."""
     from serve_app.gateway.drain import Drain
 
-    calls: list[int] = []
+    live = LiveReplicas(lambda: Status({}, True), 10.0)
+    live.refresh()
+    live.deleting_since = time.monotonic() - 5.0  # seen 5 s ago
 
-    async def main() -> None:
-        drain = Drain(1.0, lambda: bool(calls.append(1)), poll_s=0.01)
-        s = drain.track(lambda: None)
-        await asyncio.sleep(0.05)
-        drain.done(s)
-        await asyncio.sleep(0.05)
-        n = len(calls)
-        await asyncio.sleep(0.05)
-        assert len(calls) == n  # no stream, no polling
+    async def main() -> bool:
+        drain = Drain(1.0, live)
+        return drain.track(lambda: None).stopped
 
-    asyncio.run(main())
+    assert asyncio.run(main())
 
 
 def test_replica_titles_match_one_deployment_exactly(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,5 @@
 """serve_app.gateway.forward: relaying a model's head + SSE chunks, closing the request's ledger
-with the engine's token counts, and mapping handle failures.
+with the engine's token counts (a stream's when its response ends), and mapping handle failures.
 
 The deployment handle is faked: ``handle.options(stream=True).handle.remote(endpoint, body, ctx)``
 returns an object with ``__anext__`` and ``cancel()``, like Ray Serve's DeploymentResponseGenerator.
@@ -120,6 +120,29 @@ async def _forward(fwd: Forwarder, endpoint: str = "chat", ledger: Any = None) -
 
 async def _body(resp: StreamingResponse) -> bytes:
     return b"".join([c async for c in resp.body_iterator])  # type: ignore[misc]
+
+
+async def _serve(resp: Response, disconnect_after: int | None = None) -> list[bytes]:
+    """Send ``resp`` as Starlette does (ASGI 2.0: it listens for a disconnect meanwhile); the
+    client goes away after ``disconnect_after`` body chunks (0: before the first), or never."""
+    sent: list[bytes] = []
+    gone = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        if disconnect_after is None:
+            await asyncio.Event().wait()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            sent.append(message["body"])
+        if disconnect_after is not None and len(sent) >= disconnect_after:
+            gone.set()
+            await asyncio.sleep(0.01)  # the server notices before it sends more
+
+    await resp({"type": "http"}, receive, send)
+    return sent
 
 
 # ---- before the first byte ---------------------------------------------------------------------
@@ -271,14 +294,10 @@ def test_client_disconnect_cancels_the_model_request() -> None:
     gen = FakeGen([head(200, b"data: 1\n\n", stream=True), (b"data: 2\n\n", 2), HANG])
     fwd, _ = _forwarder(gen)
 
-    async def scenario() -> bytes:
-        resp = await _forward(fwd)
-        it = resp.body_iterator
-        first = await it.__anext__()  # type: ignore[union-attr]
-        await it.aclose()  # type: ignore[union-attr]
-        return first
+    async def scenario() -> list[bytes]:
+        return await _serve(await _forward(fwd), disconnect_after=1)
 
-    assert _run(scenario()) == b"data: 1\n\n"
+    assert _run(scenario()) == [b"data: 1\n\n"]
     assert gen.cancelled
 
 
@@ -314,8 +333,7 @@ def test_finished_stream_is_charged_the_trailer_counts() -> None:
     fwd, _ = _forwarder(gen)
 
     async def scenario() -> None:
-        await _body(await _forward(fwd, ledger=ledger))
-        await asyncio.sleep(0)  # the close runs as a task
+        await _serve(await _forward(fwd, ledger=ledger))
 
     _run(scenario())
     assert [o.tokens for o in ledger.outcomes] == [tokens_of(3, 10)]
@@ -329,17 +347,28 @@ def test_stream_cut_short_is_charged_the_engines_count_not_events() -> None:
                    (b"data: 2\n\n", 12), HANG])
     fwd, _ = _forwarder(gen)
 
-    async def scenario() -> None:
-        resp = await _forward(fwd, ledger=ledger)
-        it = resp.body_iterator  # type: ignore[attr-defined]
-        await it.__anext__()
-        await it.__anext__()
-        await it.aclose()  # the client went away
-        await asyncio.sleep(0)
+    async def scenario() -> list[bytes]:
+        return await _serve(await _forward(fwd, ledger=ledger), disconnect_after=2)
 
-    _run(scenario())
+    assert _run(scenario()) == [b"data: 1\n\n", b"data: 2\n\n"]
     assert gen.cancelled
     assert [o.tokens for o in ledger.outcomes] == [tokens_of(40, 12)]
+
+
+def test_a_client_gone_before_the_first_chunk_still_ends_the_request() -> None:
+    """Starlette never starts the body iterator then; the response's own ``__call__`` still
+    cancels the model's stream and closes the ledger, once."""
+    ledger = FakeLedger()
+    gen = FakeGen([head(200, b"data: 1\n\n", stream=True, tokens=tokens_of(8, 0)), HANG])
+    fwd, _ = _forwarder(gen)
+
+    async def scenario() -> list[bytes]:
+        return await _serve(await _forward(fwd, ledger=ledger), disconnect_after=0)
+
+    assert _run(scenario()) == []
+    assert gen.cancelled
+    assert [o.tokens for o in ledger.outcomes] == [tokens_of(8, 0)]
+    assert not fwd.drain.active
 
 
 # ---- a complete answer larger than one message arrives in parts ----------------------------------
@@ -355,26 +384,33 @@ def test_complete_answer_in_parts_is_joined_whole() -> None:
     assert gen.cancelled
 
 
-def test_answer_cut_between_its_parts_is_503_not_a_truncated_200() -> None:
+def test_answer_cut_between_its_parts_is_an_error_not_a_truncated_200() -> None:
+    """The model ran: the break is ``AnswerBroken`` (502), not the 503 "nothing ran" that the
+    pipeline would fall back on or book as backpressure."""
     items = split_complete(200, b"x" * 10000, None, part_bytes=4096)
     gen = FakeGen([items[0], items[1], RayActorError()])
+    ledger = FakeLedger()
     fwd, _ = _forwarder(gen)
-    with pytest.raises(errors.ServiceUnavailable):
-        _run(_forward(fwd))
+    with pytest.raises(errors.AnswerBroken) as exc_info:
+        _run(_forward(fwd, ledger=ledger))
+    assert not isinstance(exc_info.value, errors.ServiceUnavailable)
+    assert exc_info.value.status == 502
+    assert gen.cancelled
+    assert ledger.outcomes == []  # the pipeline closes it
 
 
 # ---- a model whose replicas are gone -----------------------------------------------------------
 def test_a_request_held_for_a_lost_replica_is_answered_503_once_none_runs() -> None:
     from serve_app.gateway.outage import OutageGuard
-    from serve_app.gateway.replicas import LiveReplicas
+    from serve_app.gateway.replicas import LiveReplicas, Status
 
     counts = {"tiny-chat": 1}
-    live = LiveReplicas(lambda: dict(counts), 1.0)
+    live = LiveReplicas(lambda: Status(dict(counts)), 0.1)
     live.refresh()
     gen = FakeGen([HANG])
     handle = FakeHandle(gen)
     cfg = GatewayConfig(retry_after_s=7, unavailable_hold_s=0.5)
-    fwd = Forwarder({"tiny-chat": handle}, cfg, OutageGuard(cfg.unavailable_hold_s, live.snapshot))
+    fwd = Forwarder({"tiny-chat": handle}, cfg, OutageGuard(cfg.unavailable_hold_s, live))
 
     async def run() -> None:
         task = asyncio.create_task(_forward(fwd))

@@ -18,8 +18,8 @@ from serve_app.gateway.limits import MemoryBackend
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing import Router
 from serve_app.gateway.usage import MemoryUsageStore, Usage
-from serve_app.protocol import ENDPOINTS, head, tokens_of, trailer
-from tests.unit.test_forward import HANG, FakeGen, FakeHandle
+from serve_app.protocol import ENDPOINTS, head, split_complete, tokens_of, trailer
+from tests.unit.test_forward import HANG, FakeGen, FakeHandle, _serve
 
 TPM = 100_000
 NOW = 1_000_000.0
@@ -29,7 +29,7 @@ CHAT = ENDPOINTS["chat"]
 
 def _cfg() -> AppConfig:
     return AppConfig.model_validate({
-        "tiers": {"standard": {"priority": 5, "key_limits": {"tpm": TPM}}},
+        "tiers": {"standard": {"priority": 5, "key_limits": {"tpm": TPM, "max_concurrent": 4}}},
         "default_tier": "standard",
         "models": [
             {"id": "tiny", "source": "builtin:tiny-chat", "fallback": "spare"},
@@ -58,6 +58,10 @@ class Env:
         tat = self.backend._tat.get(f"key:{KEY.id}:tpm", NOW)
         return round((max(tat, NOW) - NOW) * TPM / 60)
 
+    def key_slots(self) -> float:
+        """The key's concurrency slots taken now."""
+        return self.backend._gauge.get(f"key:{KEY.id}:conc", 0.0)
+
     async def totals(self) -> dict[str, int]:
         return await self.store.get(KEY.id)
 
@@ -76,12 +80,7 @@ def test_cut_short_stream_charges_the_engines_tokens_to_usage_and_tpm(
     env = Env(monkeypatch, {"tiny": gen, "spare": FakeGen([])})
 
     async def scenario() -> tuple[int, dict[str, int]]:
-        resp = await env.request(dict(BODY))
-        it = resp.body_iterator
-        for _ in range(3):
-            await it.__anext__()
-        await it.aclose()  # the client went away
-        await asyncio.sleep(0.01)  # the ledger closes in a task
+        await _serve(await env.request(dict(BODY)), disconnect_after=3)  # then the client goes
         return await env.tpm_charged(), await env.totals()
 
     charged, totals = asyncio.run(scenario())
@@ -96,13 +95,56 @@ def test_finished_stream_charges_the_trailer(monkeypatch: pytest.MonkeyPatch) ->
     env = Env(monkeypatch, {"tiny": gen, "spare": FakeGen([])})
 
     async def scenario() -> tuple[int, dict[str, int]]:
-        resp = await env.request(dict(BODY))
-        _ = [c async for c in resp.body_iterator]
-        await asyncio.sleep(0.01)
+        await _serve(await env.request(dict(BODY)))
         return await env.tpm_charged(), await env.totals()
 
     charged, totals = asyncio.run(scenario())
     assert (totals["prompt_tokens"], totals["completion_tokens"], charged) == (9, 5, 14)
+
+
+def test_a_client_gone_before_the_first_chunk_frees_everything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The response's receive answers http.disconnect before the first body chunk: Starlette
+    never starts the body iterator, yet the request leaves no trace in flight."""
+    gen = FakeGen([head(200, b"data: a\n\n", stream=True, tokens=tokens_of(6, 0)), HANG])
+    env = Env(monkeypatch, {"tiny": gen, "spare": FakeGen([])})
+
+    async def scenario() -> dict[str, int]:
+        resp = await env.request(dict(BODY))
+        assert env.admission.inflight["tiny"] == 1 and env.key_slots() == 1
+        assert await _serve(resp, disconnect_after=0) == []
+        return await env.totals()
+
+    totals = asyncio.run(scenario())
+    assert env.admission.inflight["tiny"] == 0
+    assert env.key_slots() == 0  # the key's concurrency slot is released
+    assert gen.cancelled  # and the engine's request cancelled
+    assert totals["requests"] == 1 and totals["prompt_tokens"] == 6
+
+
+def test_a_break_between_parts_is_neither_rerun_nor_backpressure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The model ran and its complete answer broke after the head: no fallback re-runs it, and it
+    is booked as a failure (502) with the reservation kept, never as a backpressure rejection."""
+    items = split_complete(200, b"x" * 10000, None, part_bytes=4096)
+    broken = FakeGen([items[0], items[1], RuntimeError("replica died")])
+    spare = FakeGen([head(200, b"{}", tokens=tokens_of(3, 4))])
+    env = Env(monkeypatch, {"tiny": broken, "spare": spare})
+
+    async def scenario() -> tuple[int, dict[str, int]]:
+        with pytest.raises(errors.AnswerBroken):
+            await env.request({**BODY, "stream": False})
+        return await env.tpm_charged(), await env.totals()
+
+    charged, totals = asyncio.run(scenario())
+    assert env.handles["spare"].calls == []
+    assert not any(k.startswith("rejected_") for k in totals)
+    assert totals["requests"] == 1 and totals["status_502"] == 1
+    assert charged > 0  # tokens unknown: the reservation stays charged
+    assert env.admission.inflight["tiny"] == 0 and env.admission.inflight["spare"] == 0
+    assert env.key_slots() == 0
 
 
 def test_unavailable_model_falls_back_once_and_closes_once(monkeypatch: pytest.MonkeyPatch) -> None:

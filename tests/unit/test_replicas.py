@@ -1,4 +1,5 @@
-"""Live replica counts: admission capacity and tier shedding follow the replicas running now."""
+"""Live replica counts: admission capacity and tier shedding follow the replicas running now; the
+same reading tells the drain that the app is being deleted."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord, load_app_config
 from serve_app.gateway.admission import Admission
 from serve_app.gateway.limits import MemoryBackend
-from serve_app.gateway.replicas import LiveReplicas
+from serve_app.gateway.replicas import LiveReplicas, Status
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGEST = "sha256:" + "0" * 64
@@ -26,15 +27,16 @@ class Counts:
     """A fetch whose answer the test sets (or makes fail)."""
 
     def __init__(self, **counts: int) -> None:
-        self.counts: dict[str, int] = dict(counts)
+        self.counts: Mapping[str, int] = dict(counts)
+        self.deleting = False
         self.fail = False
         self.calls = 0
 
-    def __call__(self) -> Mapping[str, int]:
+    def __call__(self) -> Status:
         self.calls += 1
         if self.fail:
             raise ConnectionError("controller unreachable")
-        return dict(self.counts)
+        return Status(dict(self.counts), self.deleting)
 
 
 def _cfg(**gateway: Any) -> AppConfig:
@@ -105,36 +107,36 @@ def test_with_one_replica_batch_is_shed_at_its_share_and_premium_is_not() -> Non
     assert refused and all(type(r) is errors.ServiceUnavailable for r in refused)
 
 
-def test_no_running_replica_waits_then_answers_503() -> None:
+def test_no_running_replica_answers_503_at_once() -> None:
+    """Admission does not wait for a replica: the one hold is the forwarder's (outage.py)."""
     live = LiveReplicas(Counts(tiny=0), 1.0)
     live.refresh()
     adm = Admission(_cfg(), MemoryBackend(), live)
     t0 = time.monotonic()
     [r] = _admit_many(adm, PREMIUM, 1)
-    waited = time.monotonic() - t0
     assert isinstance(r, errors.ServiceUnavailable) and "no running replica" in r.message
-    assert r.headers["Retry-After"] and 0.25 <= waited < 2
+    assert r.headers["Retry-After"] and time.monotonic() - t0 < 0.25
     assert adm.inflight["tiny"] == 0
 
 
-def test_a_replica_that_comes_up_while_waiting_is_used() -> None:
+def test_the_thread_refreshes_and_a_deletion_once_seen_stays() -> None:
     counts = Counts(tiny=0)
-    live = LiveReplicas(counts, 0.05)
-    live.refresh()
-    adm = Admission(_cfg(unavailable_hold_s=5.0), MemoryBackend(), live)
+    live = LiveReplicas(counts, 0.02)
     live.start()
     try:
-        async def run() -> Any:
-            task = asyncio.create_task(adm.admit(PREMIUM, ["tiny"], {"max_tokens": 8}, 10))
-            await asyncio.sleep(0.2)
-            assert not task.done()
-            counts.counts = {"tiny": 1}
-            return await asyncio.wait_for(task, 3)
-
-        ticket = asyncio.run(run())
+        time.sleep(0.1)
+        assert live.running("tiny") == 0 and live.deleting_since is None
+        counts.counts, counts.deleting = {"tiny": 1}, True
+        time.sleep(0.1)
+        assert live.running("tiny") == 1 and live.deleting_since is not None
+        since = live.deleting_since
+        counts.deleting = False
+        counts.fail = True  # the controller goes away with the app: nothing changes
+        time.sleep(0.1)
+        assert live.deleting_since == since and live.running("tiny") == 1
     finally:
         live.stop()
-    assert ticket.model_id == "tiny" and counts.calls >= 2
+    assert counts.calls >= 3
 
 
 def test_cluster_cpu_config_is_prod_layout_with_tiny_models() -> None:
