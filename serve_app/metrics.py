@@ -4,7 +4,7 @@ Metrics go through Ray's metrics agent, which Prometheus scrapes on each node; R
 prefix (``serve_app_requests_total`` is scraped as ``ray_serve_app_requests_total``). Labels carry the
 key id (bounded by the keys file), the tier and the model, never a secret.
 
-The engine's own metrics come from vLLM's ``RayPrometheusStatLogger`` (``serve_app.engine.server``)
+The engine's own metrics come from vLLM's ``RayPrometheusStatLogger`` (``serve_app.engine.startup``)
 and Ray Serve's from Ray itself; their exported names are listed here too (``ENGINE_METRICS``,
 ``SERVE_METRICS``), so a test can check that every series a dashboard or alert reads is declared.
 """

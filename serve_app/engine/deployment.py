@@ -1,4 +1,5 @@
-"""The model deployment: one Ray Serve replica = one vLLM engine (see ``server.EngineServer``).
+"""The model deployment: one Ray Serve replica = one ``backend.Backend`` (a vLLM engine, or the
+synthetic upstream); it depends on that protocol only.
 
 ``handle`` serves every endpoint of ``protocol.ENDPOINTS`` and answers as a stream (a head, then
 for a stream its chunks and a trailer), so the gateway handles every endpoint, streaming or not,
@@ -16,6 +17,7 @@ from ray import serve
 
 from serve_app import logflush
 from serve_app.config import ModelConfig
+from serve_app.engine.backend import Backend
 from serve_app.engine.server import EngineServer
 from serve_app.engine.sources import resolve_source
 from serve_app.engine.synthetic import SyntheticServer
@@ -26,7 +28,7 @@ logger = logging.getLogger("ray.serve")
 
 @serve.deployment
 class ModelServer:
-    """Ray Serve deployment wrapping one vLLM engine. Start-up is bounded by ``startup_timeout_s``."""
+    """Ray Serve deployment wrapping one backend. Start-up is bounded by ``startup_timeout_s``."""
 
     # Ray Serve awaits an async constructor; mypy knows only synchronous ones.
     async def __init__(  # type: ignore[misc]
@@ -34,7 +36,7 @@ class ModelServer:
     ) -> None:
         logflush.install()  # warnings and errors reach the replica log at once
         self.cfg = ModelConfig.model_validate(model)
-        self.server: EngineServer | SyntheticServer
+        self.server: Backend
         if self.cfg.synthetic is not None:  # no engine: made-up tokens for gateway benchmarks
             self.server = SyntheticServer(self.cfg)
         else:
@@ -57,14 +59,8 @@ class ModelServer:
         """Engine facts for operators and tests: requests the engine holds, those waiting in this
         replica for a slot (``admission.reserved_slots``), and the completion tokens the engine
         has made for streamed requests since the replica started."""
-        return {
-            "model": self.cfg.id,
-            "max_num_seqs": self.cfg.engine.max_num_seqs,
-            "unfinished_requests": self.server.unfinished_requests(),
-            "waiting_for_slot": self.server.waiting_for_slot(),
-            "streamed_tokens": self.server.streamed_tokens,
-            "engine_dead": self.server.engine_dead(),
-        }
+        return {"model": self.cfg.id, "max_num_seqs": self.cfg.engine.max_num_seqs,
+                **self.server.diagnostics()}
 
     async def check_health(self) -> None:
         # Raises (a plain RuntimeError) when the engine core died; Ray Serve then replaces this

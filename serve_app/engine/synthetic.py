@@ -5,8 +5,8 @@ a model's config, its replica loads no weights and runs no vLLM. Each request wa
 sends its first token at once, then the tokens that are due every ``stream_interval_ms`` (as the
 real replica's pacing does) until ``max_tokens``. Every answer says it is synthetic: its ``id``
 starts with ``synthetic-``, ``system_fingerprint`` is ``serve-app-synthetic`` and the text is the
-word ``synthetic`` repeated; the replica logs a warning at start-up. It answers the same items as
-``server.EngineServer`` (a ``Head``, chunks, a trailer), so the gateway cannot tell the difference.
+word ``synthetic`` repeated; the replica logs a warning at start-up. It is a ``backend.Backend``
+as ``server.EngineServer`` is (a ``Head``, chunks, a trailer), so the gateway cannot tell them apart.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Any
 
 from serve_app import errors
 from serve_app.config import ModelConfig
+from serve_app.engine.adapter import error_head
+from serve_app.engine.backend import Answer, Diagnostics
 from serve_app.protocol import (
     SSE_DONE,
     Endpoint,
@@ -28,7 +30,6 @@ from serve_app.protocol import (
     RequestContext,
     Trailer,
     head,
-    render_error,
     sse_event,
     tokens_of,
     trailer,
@@ -50,13 +51,8 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     return max(1, len(text) // 4)
 
 
-def _error(endpoint: Endpoint | None, exc: errors.ServeAppError) -> Head:
-    status, body, _ = render_error(endpoint, exc)
-    return head(status, json.dumps(body).encode())
-
-
 class SyntheticServer:
-    """Stands in for ``EngineServer``: the same calls, made-up tokens at ``tokens_per_s`` each."""
+    """A ``Backend`` that stands in for ``EngineServer``: made-up tokens at ``tokens_per_s`` each."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         if cfg.synthetic is None:
@@ -77,30 +73,26 @@ class SyntheticServer:
     async def check_health(self) -> None:
         return None
 
-    def unfinished_requests(self) -> int:
-        return self._running
-
-    def waiting_for_slot(self) -> int:
-        return 0
-
-    def engine_dead(self) -> bool:
-        return False  # no engine to die
+    def diagnostics(self) -> Diagnostics:
+        # No engine: nothing waits for a slot, and nothing can die.
+        return {"unfinished_requests": self._running, "waiting_for_slot": 0,
+                "streamed_tokens": self.streamed_tokens, "engine_dead": False}
 
     def shutdown(self) -> None:
         return None
 
     async def handle(
         self, endpoint: Endpoint, body: dict[str, Any], ctx: RequestContext
-    ) -> AsyncIterator[Head | bytes | tuple[bytes, int] | Trailer]:
+    ) -> AsyncIterator[Answer]:
         if endpoint.name not in ("chat", "completions"):
-            yield _error(endpoint, errors.InvalidRequest(
+            yield error_head(errors.InvalidRequest(
                 f"model {self.cfg.id!r} is a synthetic upstream and serves only "
-                "/v1/chat/completions and /v1/completions", param="model"))
+                "/v1/chat/completions and /v1/completions", param="model"), endpoint)
             return
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            yield _error(endpoint, errors.InvalidRequest("max_tokens must be a positive integer",
-                                                          param="max_tokens"))
+            yield error_head(errors.InvalidRequest("max_tokens must be a positive integer",
+                                                   param="max_tokens"), endpoint)
             return
         prompt = estimate_prompt_tokens(body)
         self._running += 1

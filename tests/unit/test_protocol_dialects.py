@@ -1,5 +1,5 @@
 """serve_app.protocol: token counts under every API's names, and errors in each endpoint's own
-format (body and mid-stream event); serve_app.engine.server's request overrides."""
+format (body and mid-stream event); serve_app.engine.adapter's request overrides."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import json
 from pydantic import BaseModel
 
 from serve_app import errors
-from serve_app.engine.server import Overrides, _sse
+from serve_app.engine.adapter import Overrides, handler_for
+from serve_app.engine.coalesce import to_sse
 from serve_app.protocol import ENDPOINTS, SSE_DONE, render_error, stream_error, usage_tokens
 
 
@@ -64,43 +65,37 @@ def test_overrides_set_only_the_fields_a_request_has() -> None:
     assert fifo.priority == 7  # no priority under the FCFS scheduler (vLLM refuses one)
 
 
-def test_responses_events_become_sse() -> None:
+def test_responses_events_becometo_sse() -> None:
     class Event(BaseModel):
         type: str = "response.created"
         sequence_number: int = 0
 
-    assert _sse(Event()) == 'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n'
-    assert _sse("data: [DONE]\n\n") == "data: [DONE]\n\n"
+    assert to_sse(Event()) == 'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n'
+    assert to_sse("data: [DONE]\n\n") == "data: [DONE]\n\n"
 
 
 def test_messages_conversion_gets_the_gateways_priority_and_id() -> None:
     """vLLM's Anthropic serving converts each Messages request into a chat request that keeps
-    neither priority nor request id; the wrapped serving applies them to the converted one."""
+    neither priority nor request id; the handler bound for the request applies them to the
+    converted one, and leaves vLLM's serving object as it was."""
     import asyncio
-
-    from serve_app.engine.server import EngineServer, current_overrides
 
     class FakeAnthropicServing:
         async def create_chat_completion(self, request: _Chat, raw_request: object = None) -> _Chat:
             return request
 
         async def create_messages(self, request: object, raw_request: object = None) -> _Chat:
-            converted = _Chat()  # what the conversion builds: defaults only
+            converted = self.to_chat_completion_request(request)
             return await self.create_chat_completion(converted, raw_request)
 
+        def to_chat_completion_request(self, request: object) -> _Chat:
+            return _Chat()  # what the conversion builds: defaults only
+
     serving = FakeAnthropicServing()
-    EngineServer._apply_after_conversion(serving)
-
-    async def one() -> _Chat:
-        token = current_overrides.set(Overrides(priority=10, request_id="req-9", cache_salt="s"))
-        try:
-            return await serving.create_messages(object())
-        finally:
-            current_overrides.reset(token)
-
-    chat = asyncio.run(one())
+    call = handler_for(serving, "create_messages", Overrides(priority=10, request_id="req-9", cache_salt="s"))
+    chat = asyncio.run(call(object()))
     assert (chat.priority, chat.request_id, chat.cache_salt) == (10, "req-9", "s")
-    untouched = asyncio.run(serving.create_messages(object()))  # no request context: defaults
+    untouched = asyncio.run(serving.create_messages(object()))  # vLLM's own object: defaults
     assert (untouched.priority, untouched.request_id) == (0, "x")
 
 

@@ -1,8 +1,10 @@
-"""serve_app.engine.server: engine kwargs, error mapping, and the SSE coalescer (no engine started)."""
+"""serve_app.engine's vLLM backend: engine kwargs, error mapping (adapter.py), the SSE coalescer
+(coalesce.py) and ``EngineServer.handle`` (no engine started)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import json
 import time
@@ -15,8 +17,10 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from serve_app import errors
 from serve_app.config import EngineArgs, ModelConfig, load_app_config
+from serve_app.engine.adapter import to_openai_error, validation_error
 from serve_app.engine.clients import TokenMeter, current_meter
-from serve_app.engine.server import EngineServer, _validation_error, to_openai_error
+from serve_app.engine.coalesce import Coalescer
+from serve_app.engine.server import EngineServer
 from serve_app.protocol import SSE_DONE
 
 CONFIG_FILES = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.y*ml"))
@@ -144,7 +148,7 @@ class ChatReq(BaseModel):
 def test_validation_error_names_the_field() -> None:
     with pytest.raises(ValidationError) as exc_info:
         ChatReq.model_validate({"messages": ["hi"], "temperature": "hot"})
-    err = _validation_error(exc_info.value)
+    err = validation_error(exc_info.value)
     assert err.status == 400
     assert err.param == "temperature"
     assert err.message.startswith("temperature: ")
@@ -156,14 +160,23 @@ def test_validation_error_drops_union_member_class_name() -> None:
 
     with pytest.raises(ValidationError) as exc_info:
         TypeAdapter(ChatReq | Other).validate_python({"messages": "not a list"})
-    err = _validation_error(exc_info.value)
+    err = validation_error(exc_info.value)
     assert err.param == "messages"
     assert "ChatReq" not in err.message
 
 
-# ---- _coalesce ---------------------------------------------------------------------------------
+# ---- coalesce ----------------------------------------------------------------------------------
 def _server() -> EngineServer:
     return EngineServer(_cfg(), "/dummy/path")
+
+
+def _coalesce(source: AsyncIterator[Any], wants_usage: bool = True,
+              meter: TokenMeter | None = None) -> AsyncIterator[Any]:
+    """The relay as ``EngineServer.handle`` builds it, in a request context with ``meter`` set."""
+    meter = meter if meter is not None else TokenMeter()
+    context = contextvars.copy_context()
+    context.run(current_meter.set, meter)
+    return Coalescer(meter, _server()._map_exception, wants_usage=wants_usage).relay(source, context)
 
 
 async def _chunks(parts: list[str], delays: list[float] | None = None) -> AsyncIterator[str]:
@@ -174,9 +187,9 @@ async def _chunks(parts: list[str], delays: list[float] | None = None) -> AsyncI
         yield part
 
 
-async def _collect(server: EngineServer, source: AsyncIterator[str]) -> list[tuple[float, Any]]:
+async def _collect(source: AsyncIterator[str]) -> list[tuple[float, Any]]:
     t0 = time.monotonic()
-    return [(time.monotonic() - t0, item) async for item in server._coalesce(source)]
+    return [(time.monotonic() - t0, item) async for item in _coalesce(source)]
 
 
 def _relayed(items: list[tuple[float, Any]]) -> list[bytes]:
@@ -196,7 +209,7 @@ def _joined(items: list[tuple[float, Any]]) -> bytes:
 
 def test_coalesce_first_item_is_stream_head_with_first_chunk() -> None:
     parts = [f"data: {{\"n\": {i}}}\n\n" for i in range(5)]
-    items = asyncio.run(_collect(_server(), _chunks(parts, [0.0, 0.05, 0.05, 0.05, 0.05])))
+    items = asyncio.run(_collect(_chunks(parts, [0.0, 0.05, 0.05, 0.05, 0.05])))
     head = items[0][1]
     assert isinstance(head, dict)
     assert head["stream"] is True and head["status"] == 200
@@ -206,7 +219,7 @@ def test_coalesce_first_item_is_stream_head_with_first_chunk() -> None:
 
 def test_coalesce_flushes_first_chunk_without_waiting_for_the_rest() -> None:
     parts = ["data: first\n\n", "data: second\n\n"]
-    items = asyncio.run(_collect(_server(), _chunks(parts, [0.0, 0.5])))
+    items = asyncio.run(_collect(_chunks(parts, [0.0, 0.5])))
     assert items[0][1]["body"] == parts[0].encode()
     assert items[0][0] < 0.3
     assert _joined(items) == "".join(parts).encode()
@@ -216,7 +229,7 @@ def test_coalesce_sends_each_burst_as_one_message() -> None:
     """One engine output becomes several SSE strings at once; they travel together."""
     parts = ["data: role\n\n", "data: tok1\n\n", "data: tok2-4\n\n", "data: usage\n\n",
              "data: [DONE]\n\n"]
-    items = asyncio.run(_collect(_server(), _chunks(parts, [0.0, 0.0, 0.05, 0.05, 0.0])))
+    items = asyncio.run(_collect(_chunks(parts, [0.0, 0.0, 0.05, 0.05, 0.0])))
     assert items[0][1]["body"] == "".join(parts[:2]).encode()
     assert _relayed(items) == [parts[2].encode(), "".join(parts[3:]).encode()]
 
@@ -225,14 +238,14 @@ def test_coalesce_relays_each_output_as_soon_as_it_exists() -> None:
     """The pacing is upstream (PacedEngineClient); the relay itself never holds bytes back."""
     parts = ["data: role\n\n", "data: a\n\n", "data: b\n\n"]
     delays = [0.0, 0.2, 0.2]
-    items = asyncio.run(_collect(_server(), _chunks(parts, delays)))
+    items = asyncio.run(_collect(_chunks(parts, delays)))
     stamps = [t for t, _ in items[:3]]
     assert stamps[0] < 0.1
     assert 0.15 < stamps[1] < 0.35 and 0.35 < stamps[2] < 0.55
 
 
 def test_coalesce_empty_stream_still_sends_a_head() -> None:
-    items = asyncio.run(_collect(_server(), _chunks([])))
+    items = asyncio.run(_collect(_chunks([])))
     first = items[0][1]
     assert (first["status"], first["stream"], first["body"]) == (200, True, b"")
     assert _relayed(items) == []
@@ -244,7 +257,7 @@ def test_coalesce_engine_failure_ends_with_error_event_and_done() -> None:
         await asyncio.sleep(0.05)
         raise RuntimeError("engine core died")
 
-    items = asyncio.run(_collect(_server(), failing()))
+    items = asyncio.run(_collect(failing()))
     data = _joined(items)
     assert data.startswith(b"data: 1\n\n")
     assert data.endswith(SSE_DONE)
@@ -272,7 +285,7 @@ def test_coalesce_cancelling_consumer_cancels_producer() -> None:
         got: list[Any] = []
 
         async def consume() -> None:
-            async for item in _server()._coalesce(endless()):
+            async for item in _coalesce(endless()):
                 got.append(item)
 
         task = asyncio.create_task(consume())
@@ -302,7 +315,7 @@ def test_coalesce_closing_consumer_early_cancels_producer() -> None:
             state["closed"] = True
 
     async def scenario() -> dict[str, bool]:
-        agen = _server()._coalesce(endless())
+        agen = _coalesce(endless())
         first = await agen.__anext__()
         assert first["stream"] is True
         await agen.aclose()  # the client went away after the first token
@@ -323,7 +336,7 @@ def test_coalesce_reports_usage_and_relays_it_only_when_asked(wants_usage: bool)
     parts = ['data: {"id":"c1","choices":[{"index":0}]}\n\n', USAGE_EVENT, "data: [DONE]\n\n"]
 
     async def run() -> list[Any]:
-        return [i async for i in _server()._coalesce(_chunks(parts), wants_usage)]
+        return [i async for i in _coalesce(_chunks(parts), wants_usage)]
 
     items = asyncio.run(run())
     assert items[-1] == {"tokens": {"prompt_tokens": 3, "completion_tokens": 2}}
@@ -347,7 +360,7 @@ def test_coalesce_chunks_carry_the_engines_count_and_the_trailer_has_it_without_
         raise RuntimeError("engine core died")
 
     async def run() -> list[Any]:
-        return [i async for i in _server()._coalesce(produce(), True, meter)]
+        return [i async for i in _coalesce(produce(), True, meter)]
 
     items = asyncio.run(run())
     assert items[0]["tokens"] == {"prompt_tokens": 11, "completion_tokens": 1}
@@ -367,7 +380,7 @@ def test_coalesce_runs_vllms_stream_with_the_requests_meter_set() -> None:
         yield "data: x\n\n"
 
     async def run() -> list[Any]:
-        return [i async for i in _server()._coalesce(produce(), True, meter)]
+        return [i async for i in _coalesce(produce(), True, meter)]
 
     asyncio.run(run())
     assert seen == [meter]
@@ -426,3 +439,39 @@ def test_handle_sends_a_large_complete_answer_in_parts() -> None:
     assert all(len(p) <= PART_BYTES for p in [first["body"], *rest])
     assert first["body"] + b"".join(rest) == answer
     assert first["tokens"] == {"prompt_tokens": 5, "completion_tokens": 0}
+
+
+def test_handle_runs_vllms_call_with_the_requests_meter_set() -> None:
+    """A complete answer's ``generate`` happens inside vLLM's serving call: it runs in the
+    request's context, with a meter of its own that is gone once the request is answered."""
+    from starlette.datastructures import State
+
+    seen: list[TokenMeter | None] = []
+
+    class Serving(_FakeServing):
+        async def __call__(self, request: Any, raw_request: Any = None) -> Any:
+            seen.append(current_meter.get())
+            return await super().__call__(request, raw_request)
+
+    server = _server()
+    server.state = State()
+    server.state.serving_embedding = Serving(b'{"data": []}')
+    [first] = _handle(server, "embeddings", {"model": "m", "input": "hi"})
+    assert first["status"] == 200
+    assert len(seen) == 1 and isinstance(seen[0], TokenMeter)
+    assert current_meter.get() is None
+
+
+def test_vllms_messages_conversion_still_calls_create_chat_completion_on_self() -> None:
+    """The seam ``adapter.handler_for`` relies on: vLLM's Anthropic serving converts a Messages
+    request and hands it to ``self.create_chat_completion``, and uses no zero-argument ``super()``
+    (which would refuse the per-request view as ``self``)."""
+    import inspect
+
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+    source = inspect.getsource(AnthropicServingMessages.create_messages)
+    assert "self.to_chat_completion_request(" in source
+    assert "self.create_chat_completion(" in source
+    assert "super()" not in source
+    assert hasattr(AnthropicServingMessages, "to_chat_completion_request")

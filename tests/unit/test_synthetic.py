@@ -62,7 +62,8 @@ def test_a_stream_waits_ttft_then_sends_every_token_labelled_synthetic() -> None
     assert 2 <= len(chunks) < 24
     assert [c[1] for c in chunks] == sorted(c[1] for c in chunks) and chunks[-1][1] == 24
     assert trailer == {"tokens": {"prompt_tokens": 10, "completion_tokens": 24}}
-    assert server.streamed_tokens == 24 and server.unfinished_requests() == 0
+    assert server.diagnostics() == {"unfinished_requests": 0, "waiting_for_slot": 0,
+                                    "streamed_tokens": 24, "engine_dead": False}
 
 
 def test_without_include_usage_the_stream_has_no_usage_chunk() -> None:
