@@ -311,11 +311,7 @@ class EngineServer:
                         tokens=usage_tokens(json.loads(data).get("usage")) if ok else None)
         usage = result.usage.model_dump() if getattr(result, "usage", None) else None
         # As vLLM's own routers dump them: Anthropic's without nulls, the Responses API's by alias.
-        dump: dict[str, Any] = {"exclude_unset": False}
-        if endpoint.dialect == "anthropic":
-            dump = {"exclude_none": True}
-        elif endpoint.name == "responses":
-            dump["by_alias"] = True
+        dump = dict.fromkeys(endpoint.dump_flags, True)
         return head(200, result.model_dump_json(**dump).encode(), tokens=usage_tokens(usage))
 
     def _map_exception(self, exc: Exception, main_param: str = "messages") -> errors.ServeAppError:
@@ -346,7 +342,7 @@ class EngineServer:
         body = dict(body)
         body["model"] = self.cfg.id  # the gateway resolved aliases; vLLM knows only the id
         wants_usage = True
-        if endpoint.name in ("chat", "completions"):
+        if endpoint.stream_options:
             if body.get("stream") is True:
                 opts = body.get("stream_options")
                 opts = dict(opts) if isinstance(opts, dict) else {}

@@ -29,6 +29,7 @@ from serve_app.protocol import (
     Trailer,
     head,
     render_error,
+    requested_max_tokens,
     sse_event,
     tokens_of,
     trailer,
@@ -92,15 +93,16 @@ class SyntheticServer:
     async def handle(
         self, endpoint: Endpoint, body: dict[str, Any], ctx: RequestContext
     ) -> AsyncIterator[Head | bytes | tuple[bytes, int] | Trailer]:
-        if endpoint.name not in ("chat", "completions"):
+        if not endpoint.stream_options:
             yield _error(endpoint, errors.InvalidRequest(
                 f"model {self.cfg.id!r} is a synthetic upstream and serves only "
                 "/v1/chat/completions and /v1/completions", param="model"))
             return
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
+        field, max_tokens = requested_max_tokens(body, endpoint.max_tokens_fields)
+        max_tokens = max_tokens or DEFAULT_MAX_TOKENS
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            yield _error(endpoint, errors.InvalidRequest("max_tokens must be a positive integer",
-                                                          param="max_tokens"))
+            yield _error(endpoint, errors.InvalidRequest(f"{field} must be a positive integer",
+                                                          param=field))
             return
         prompt = estimate_prompt_tokens(body)
         self._running += 1
