@@ -22,7 +22,9 @@ it received: the engine's own count, never an estimate from the number of events
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, TypedDict
 
@@ -33,11 +35,32 @@ SSE_DONE = b"data: [DONE]\n\n"
 PART_BYTES = 1024 * 1024
 
 Task = Literal["generate", "embed"]
+BodyCheck = Callable[[dict[str, Any]], None]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _check_stateless(body: dict[str, Any]) -> None:
+    """The gateway keeps no state between requests (and its replicas share none): refuse what
+    would need it, instead of vLLM answering from one replica's memory or not at all."""
+    if body.get("previous_response_id") is not None:
+        raise errors.InvalidRequest(
+            "previous_response_id is not supported: this gateway stores no responses; send the "
+            "whole conversation in 'input' (Codex does)", param="previous_response_id")
+    if body.get("store") is True:
+        raise errors.InvalidRequest(
+            "store: true is not supported: this gateway stores no responses; send store: false",
+            param="store")
+    if body.get("background") is True:
+        raise errors.InvalidRequest(
+            "background: true is not supported: it needs a stored response", param="background")
 
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One API endpoint that a model deployment serves through vLLM's own serving layer."""
+    """One API endpoint that a model deployment serves through vLLM's own serving layer.
+
+    Every way endpoints differ is a field here, read by the code that cares; nothing else names
+    an endpoint to decide how to treat it."""
 
     name: str  # the key in ENDPOINTS, sent to the model replica with each request
     path: str  # the gateway's HTTP path (POST)
@@ -47,6 +70,18 @@ class Endpoint:
     serving: str  # the attribute of vLLM's ``init_app_state`` state that serves it
     handler: str  # that serving object's method ("__call__" for a callable)
     dialect: Literal["openai", "anthropic"] = "openai"  # the shape of its error bodies
+    # The fields that bound the completion, in the order vLLM reads them; a tier's cap is
+    # written to the first when the body sets none. Empty: the endpoint generates no text.
+    max_tokens_fields: tuple[str, ...] = ()
+    # OpenAI's stream_options.include_usage asks for the stream's usage chunk (otherwise vLLM
+    # always sends the usage); the synthetic upstream answers these endpoints only.
+    stream_options: bool = False
+    # A started stream ends on an error with a typed ``event: error`` (the Responses API),
+    # instead of OpenAI's ``data: {"error": ...}`` and ``[DONE]``.
+    error_event: bool = False
+    # model_dump_json options set to True for a complete answer, as vLLM's own router dumps it.
+    dump_flags: tuple[str, ...] = ()
+    body_check: BodyCheck | None = None  # refuses, in the gateway, a body it cannot serve
 
 
 ENDPOINTS: dict[str, Endpoint] = {
@@ -56,11 +91,13 @@ ENDPOINTS: dict[str, Endpoint] = {
             "chat", "/v1/chat/completions", "generate", "messages",
             "vllm.entrypoints.openai.chat_completion.protocol:ChatCompletionRequest",
             "openai_serving_chat", "create_chat_completion",
+            max_tokens_fields=("max_completion_tokens", "max_tokens"), stream_options=True,
         ),
         Endpoint(
             "completions", "/v1/completions", "generate", "prompt",
             "vllm.entrypoints.openai.completion.protocol:CompletionRequest",
             "openai_serving_completion", "create_completion",
+            max_tokens_fields=("max_tokens",), stream_options=True,
         ),
         Endpoint(
             "embeddings", "/v1/embeddings", "embed", "input",
@@ -72,17 +109,21 @@ ENDPOINTS: dict[str, Endpoint] = {
             "responses", "/v1/responses", "generate", "input",
             "vllm.entrypoints.openai.responses.protocol:ResponsesRequest",
             "openai_serving_responses", "create_responses",
+            max_tokens_fields=("max_output_tokens",), error_event=True, dump_flags=("by_alias",),
+            body_check=_check_stateless,
         ),
         # Anthropic's Messages API (Claude Code), errors in Anthropic's envelope.
         Endpoint(
             "messages", "/v1/messages", "generate", "messages",
             "vllm.entrypoints.anthropic.protocol:AnthropicMessagesRequest",
             "anthropic_serving_messages", "create_messages", dialect="anthropic",
+            max_tokens_fields=("max_tokens",), dump_flags=("exclude_none",),
         ),
         Endpoint(
             "count_tokens", "/v1/messages/count_tokens", "generate", "messages",
             "vllm.entrypoints.anthropic.protocol:AnthropicCountTokensRequest",
             "anthropic_serving_messages", "count_tokens", dialect="anthropic",
+            dump_flags=("exclude_none",),
         ),
         # What `vllm serve` also has: tokenizer round trips, and scoring on embedding models.
         Endpoint(
@@ -107,7 +148,55 @@ ENDPOINTS: dict[str, Endpoint] = {
         ),
     )
 }
-ANTHROPIC_PATHS = frozenset(e.path for e in ENDPOINTS.values() if e.dialect == "anthropic")
+BY_PATH: dict[str, Endpoint] = {e.path: e for e in ENDPOINTS.values()}
+# Every endpoint's completion-bound fields, in the table's order (chat's precedence first), for
+# what reads a body without knowing its endpoint.
+MAX_TOKENS_FIELDS: tuple[str, ...] = tuple(
+    dict.fromkeys(f for e in ENDPOINTS.values() for f in e.max_tokens_fields))
+
+
+def requested_max_tokens(body: dict[str, Any], fields: Sequence[str]) -> tuple[str | None, Any]:
+    """The first of ``fields`` the body sets (not null) and its value; (None, None) if none."""
+    for name in fields:
+        if body.get(name) is not None:
+            return name, body[name]
+    return None, None
+
+
+def number_text(value: float) -> str:
+    """A number for an error message, cut to 24 characters (a client may send 10**4000)."""
+    text = str(value)
+    return text if len(text) <= 24 else text[:24] + "..."
+
+
+def json_offence(value: Any) -> str | None:
+    """What in ``value`` cannot be served: an integer outside 64 bits, NaN/Infinity (not JSON), a
+    string with a lone UTF-16 surrogate (it cannot be encoded as UTF-8 later on). Searched
+    iteratively, so nesting cannot exhaust the stack. The gateway asks it while parsing a body,
+    the model replica again for any caller."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return "strings must not contain lone UTF-16 surrogates (such as \\ud800)"
+        elif isinstance(v, bool):
+            continue
+        elif isinstance(v, int):
+            if not INT64_MIN <= v <= INT64_MAX:
+                return f"integer {number_text(v)} is out of range (64 bits)"
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                return "NaN and Infinity are not valid JSON numbers"
+        elif isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, list | tuple):
+            todo.extend(v)
+    return None
 
 
 @dataclass(frozen=True)
@@ -208,7 +297,7 @@ def stream_error(endpoint: Endpoint | None, exc: errors.ServeAppError) -> bytes:
     ``data: {"error": ...}`` followed by ``[DONE]``."""
     if endpoint is not None and endpoint.dialect == "anthropic":
         return errors.anthropic_sse_error(exc)
-    if endpoint is not None and endpoint.name == "responses":
+    if endpoint is not None and endpoint.error_event:
         event = {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param}
         return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
     return sse_event(json.dumps(exc.to_body()).encode()) + SSE_DONE

@@ -157,7 +157,7 @@ class RequestAdapter:
         body = dict(body)
         body["model"] = self.cfg.id  # the gateway resolved aliases; vLLM knows only the id
         wants_usage = True
-        if endpoint.name in ("chat", "completions"):
+        if endpoint.stream_options:
             if body.get("stream") is True:
                 opts = body.get("stream_options")
                 opts = dict(opts) if isinstance(opts, dict) else {}
@@ -184,9 +184,5 @@ def complete_head(result: Any, endpoint: Endpoint) -> Head:
                     tokens=usage_tokens(json.loads(data).get("usage")) if ok else None)
     usage = result.usage.model_dump() if getattr(result, "usage", None) else None
     # As vLLM's own routers dump them: Anthropic's without nulls, the Responses API's by alias.
-    dump: dict[str, Any] = {"exclude_unset": False}
-    if endpoint.dialect == "anthropic":
-        dump = {"exclude_none": True}
-    elif endpoint.name == "responses":
-        dump["by_alias"] = True
+    dump = dict.fromkeys(endpoint.dump_flags, True)
     return head(200, result.model_dump_json(**dump).encode(), tokens=usage_tokens(usage))

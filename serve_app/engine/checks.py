@@ -9,12 +9,11 @@ hold for any caller of the model deployment.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from serve_app import errors
+from serve_app.protocol import MAX_TOKENS_FIELDS, json_offence, number_text
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # OpenAI's own limit on choices per request
 # A complete (non-streamed) answer is held whole in the model replica and in the gateway, and
@@ -28,15 +27,14 @@ LOGPROB_BYTES = 128  # and each log-probability entry (token, logprob, bytes), a
 OBJECT_FIELDS = ("structured_outputs", "stream_options", "chat_template_kwargs", "logit_bias",
                  "mm_processor_kwargs", "vllm_xargs")
 # Fields vLLM passes on as C integers of 32 bits.
-INT32_FIELDS = ("top_k", "n", "best_of", "min_tokens", "max_tokens", "max_completion_tokens",
-                "max_output_tokens", "logprobs", "top_logprobs", "prompt_logprobs",
-                "truncate_prompt_tokens", "dimensions", "priority")
+INT32_FIELDS = ("top_k", "n", "best_of", "min_tokens", *MAX_TOKENS_FIELDS, "logprobs",
+                "top_logprobs", "prompt_logprobs", "truncate_prompt_tokens", "dimensions", "priority")
 
 
 def check_request(body: dict[str, Any]) -> None:
     """Raise ``InvalidRequest`` (with ``param``) for what vLLM would fail on or leak."""
     for key, value in body.items():
-        bad = _offence(value)
+        bad = json_offence(value)
         if bad:
             raise errors.InvalidRequest(f"{key}: {bad}", param=str(key))
     for name in OBJECT_FIELDS:
@@ -49,20 +47,27 @@ def check_request(body: dict[str, Any]) -> None:
         if isinstance(value, bool) or not isinstance(value, int | float):
             continue
         if not -INT32_MAX - 1 <= value <= INT32_MAX:
-            raise errors.InvalidRequest(f"{name} is out of range: {_short(value)}", param=name)
+            raise errors.InvalidRequest(f"{name} is out of range: {number_text(value)}", param=name)
     n = body.get("n")
     if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
         raise errors.InvalidRequest(f"n must be at most {MAX_N}, not {n}", param="n")
     size = answer_bytes(body)
     if size > MAX_ANSWER_BYTES:
+        field = _budget(body)[0]
         raise errors.InvalidRequest(
             f"the answer would be about {size // 2**20} MiB, over the limit of "
-            f"{MAX_ANSWER_BYTES // 2**20} MiB for a complete answer: lower max_tokens, n or "
-            "top_logprobs, or set stream: true", param="max_tokens")
+            f"{MAX_ANSWER_BYTES // 2**20} MiB for a complete answer: lower {field}, n or "
+            "top_logprobs, or set stream: true", param=field)
 
 
 def _int(value: Any, default: int = 0) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def _budget(body: dict[str, Any]) -> tuple[str, int]:
+    """The largest completion bound the body sets, of any endpoint's fields, and its field
+    (the first field and 0 when it sets none): the body's endpoint is not known here."""
+    return max(((name, _int(body.get(name))) for name in MAX_TOKENS_FIELDS), key=lambda b: b[1])
 
 
 def answer_bytes(body: dict[str, Any]) -> int:
@@ -70,7 +75,7 @@ def answer_bytes(body: dict[str, Any]) -> int:
     stream, or when it names no token budget)."""
     if body.get("stream") is True:
         return 0
-    tokens = _int(body.get("max_tokens")) or _int(body.get("max_completion_tokens"))
+    tokens = _budget(body)[1]
     choices = max(_int(body.get("n"), 1), _int(body.get("best_of"), 1))
     logprobs = body.get("logprobs")
     per_token = TOKEN_BYTES
@@ -79,36 +84,3 @@ def answer_bytes(body: dict[str, Any]) -> int:
     elif _int(logprobs):  # completions: logprobs is the number of alternatives
         per_token += LOGPROB_BYTES * (1 + _int(logprobs))
     return tokens * choices * per_token
-
-
-def _short(value: float) -> str:
-    text = str(value)
-    return text if len(text) <= 24 else text[:24] + "..."
-
-
-def _offence(value: Any) -> str | None:
-    """What in ``value`` cannot be served: an integer outside 64 bits, NaN/Infinity, a string
-    with a lone UTF-16 surrogate (searched iteratively: nesting cannot exhaust the stack)."""
-    todo = [value]
-    while todo:
-        v = todo.pop()
-        if isinstance(v, str):
-            if not v.isascii():
-                try:
-                    v.encode("utf-8")
-                except UnicodeEncodeError:
-                    return "strings must not contain lone UTF-16 surrogates (such as \\ud800)"
-        elif isinstance(v, bool):
-            continue
-        elif isinstance(v, int):
-            if not INT64_MIN <= v <= INT64_MAX:
-                return f"integer {_short(v)} is out of range (64 bits)"
-        elif isinstance(v, float):
-            if not math.isfinite(v):
-                return "NaN and Infinity are not valid JSON numbers"
-        elif isinstance(v, dict):
-            todo.extend(v.keys())
-            todo.extend(v.values())
-        elif isinstance(v, list | tuple):
-            todo.extend(v)
-    return None

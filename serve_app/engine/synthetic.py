@@ -30,6 +30,7 @@ from serve_app.protocol import (
     RequestContext,
     Trailer,
     head,
+    requested_max_tokens,
     sse_event,
     tokens_of,
     trailer,
@@ -84,15 +85,16 @@ class SyntheticServer:
     async def handle(
         self, endpoint: Endpoint, body: dict[str, Any], ctx: RequestContext
     ) -> AsyncIterator[Answer]:
-        if endpoint.name not in ("chat", "completions"):
+        if not endpoint.stream_options:
             yield error_head(errors.InvalidRequest(
                 f"model {self.cfg.id!r} is a synthetic upstream and serves only "
                 "/v1/chat/completions and /v1/completions", param="model"), endpoint)
             return
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
+        field, max_tokens = requested_max_tokens(body, endpoint.max_tokens_fields)
+        max_tokens = max_tokens or DEFAULT_MAX_TOKENS
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            yield error_head(errors.InvalidRequest("max_tokens must be a positive integer",
-                                                   param="max_tokens"), endpoint)
+            yield error_head(errors.InvalidRequest(f"{field} must be a positive integer",
+                                                   param=field), endpoint)
             return
         prompt = estimate_prompt_tokens(body)
         self._running += 1

@@ -20,7 +20,7 @@ from serve_app.gateway.keys import KeyStore
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing import Route, Router
 from serve_app.gateway.usage import Usage
-from serve_app.protocol import ANTHROPIC_PATHS, ENDPOINTS, Endpoint, render_error
+from serve_app.protocol import BY_PATH, ENDPOINTS, Endpoint, render_error
 
 logger = logging.getLogger("ray.serve")
 
@@ -89,7 +89,7 @@ def build_api(deps: GatewayDeps) -> FastAPI:
 
     def model_route(endpoint: Endpoint) -> Any:
         """The generic route of a model endpoint: read the JSON body, hand it to the pipeline."""
-        check = BODY_CHECKS.get(endpoint.name)
+        check = endpoint.body_check
 
         async def route(
             request: Request, key: KeyRecord = Depends(authenticate),
@@ -151,31 +151,9 @@ def _model_card(route: Route) -> dict[str, Any]:
     }
 
 
-def _check_responses_body(body: dict[str, Any]) -> None:
-    """The gateway keeps no state between requests (and its replicas share none): refuse what
-    would need it, instead of vLLM answering from one replica's memory or not at all."""
-    if body.get("previous_response_id") is not None:
-        raise errors.InvalidRequest(
-            "previous_response_id is not supported: this gateway stores no responses; send the "
-            "whole conversation in 'input' (Codex does)", param="previous_response_id")
-    if body.get("store") is True:
-        raise errors.InvalidRequest(
-            "store: true is not supported: this gateway stores no responses; send store: false",
-            param="store")
-    if body.get("background") is True:
-        raise errors.InvalidRequest(
-            "background: true is not supported: it needs a stored response", param="background")
-
-
-# Checks of a body before it is admitted, by endpoint name.
-BODY_CHECKS = {"responses": _check_responses_body}
-
-
 def error_response(exc: errors.ServeAppError, request: Request | None = None) -> JSONResponse:
     """The error in its route's dialect: Anthropic's envelope on the Messages API routes."""
-    endpoint = None
-    if request is not None and request.url.path in ANTHROPIC_PATHS:
-        endpoint = ENDPOINTS["messages"]
+    endpoint = BY_PATH.get(request.url.path) if request is not None else None
     status, body, headers = render_error(endpoint, exc)
     return JSONResponse(body, status_code=status, headers=headers)
 

@@ -16,16 +16,15 @@ The common case pays one orjson parse and two byte counts.
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Any
 
 import orjson
 
 from serve_app import errors
+from serve_app.protocol import INT64_MAX, INT64_MIN, json_offence
 
 MAX_DEPTH = 64  # arrays and objects, counted from the body itself (depth 1)
-INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 
 # JSON tokens that matter to the scan: a string (skipped whole), a bracket, a long integer.
 _TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"\s*(:)?|([\[\]{}])|(-?\d{19,})(?![\d.eE])', re.S)
@@ -63,7 +62,7 @@ def _scan(raw: bytes) -> None:
                 depth -= 1
         elif number is not None:
             value = int(number)
-            if not INT_MIN <= value <= INT_MAX:
+            if not INT64_MIN <= value <= INT64_MAX:
                 raise errors.InvalidRequest(
                     f"{field or 'request body'}: integer {number[:24].decode()}"
                     f"{'...' if len(number) > 24 else ''} is out of range (64 bits)", param=field)
@@ -93,31 +92,8 @@ def _explain(raw: bytes, why: str) -> errors.InvalidRequest:
         return errors.InvalidRequest(f"request body is not valid JSON: {why}")
     if isinstance(lax, dict):
         for key, value in lax.items():
-            bad = _offence(value) or _offence(key)
+            bad = json_offence(value) or json_offence(key)
             if bad:
-                name = key if isinstance(key, str) and not _offence(key) else None
+                name = key if isinstance(key, str) and not json_offence(key) else None
                 return errors.InvalidRequest(f"{name or 'request body'}: {bad}", param=name)
     return errors.InvalidRequest(f"request body is not valid JSON: {why}")
-
-
-def _offence(value: Any) -> str | None:
-    """What in ``value`` is not JSON (NaN/Infinity, a lone surrogate) or out of range (an integer
-    beyond 64 bits), searched iteratively."""
-    todo = [value]
-    while todo:
-        v = todo.pop()
-        if isinstance(v, float) and not math.isfinite(v):
-            return "NaN and Infinity are not valid JSON numbers"
-        if isinstance(v, int) and not isinstance(v, bool) and not INT_MIN <= v <= INT_MAX:
-            return "an integer is out of range (64 bits)"
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return "strings must not contain lone UTF-16 surrogates (such as \\ud800)"
-        elif isinstance(v, dict):
-            todo.extend(v.keys())
-            todo.extend(v.values())
-        elif isinstance(v, list):
-            todo.extend(v)
-    return None

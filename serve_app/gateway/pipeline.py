@@ -73,7 +73,7 @@ class Pipeline:
         fallback = self.router.fallback(model_id)
         candidates = [model_id] if fallback is None else [model_id, fallback]
         try:
-            ticket = await self.admission.admit(key, candidates, body, size)
+            ticket = await self.admission.admit(key, candidates, body, size, endpoint=endpoint)
         except (errors.RateLimited, errors.ServiceUnavailable) as exc:
             await self.usage.rejected(key, model_id, _rejection_reason(exc))
             raise

@@ -57,3 +57,15 @@ def test_an_answer_too_large_to_send_is_refused_before_the_work() -> None:
     assert refused(big).param == "max_tokens"
     check_request({**big, "stream": True})  # a stream is never held whole
     check_request({**CHAT, "n": 3, "max_tokens": 1500, "logprobs": True, "top_logprobs": 20})
+
+
+def test_every_endpoints_max_token_field_counts_toward_the_answer_size() -> None:
+    # The Responses API bounds its answer with max_output_tokens: it cannot escape the cap.
+    responses = {"model": "m", "input": "hi", "max_output_tokens": 20_000_000}
+    err = refused(responses)
+    assert err.status == 400 and err.param == "max_output_tokens"
+    assert "lower max_output_tokens" in err.message
+    check_request({**responses, "max_output_tokens": 1000})
+    check_request({**responses, "stream": True})
+    # Chat's two names: the larger one (vLLM reads max_completion_tokens first) is named.
+    assert refused({**CHAT, "max_completion_tokens": 20_000_000}).param == "max_completion_tokens"

@@ -107,16 +107,27 @@ def test_with_one_replica_batch_is_shed_at_its_share_and_premium_is_not() -> Non
     assert refused and all(type(r) is errors.ServiceUnavailable for r in refused)
 
 
-def test_no_running_replica_answers_503_at_once() -> None:
-    """Admission does not wait for a replica: the one hold is the forwarder's (outage.py)."""
+def test_a_model_with_no_running_replica_is_admitted_for_the_outage_guard_to_hold() -> None:
+    """Admission does not wait or refuse: the one hold is the forwarder's (outage.py), and the
+    request waiting in Ray Serve's queue is what asks the autoscaler for a replica."""
     live = LiveReplicas(Counts(tiny=0), 1.0)
     live.refresh()
     adm = Admission(_cfg(), MemoryBackend(), live)
     t0 = time.monotonic()
     [r] = _admit_many(adm, PREMIUM, 1)
-    assert isinstance(r, errors.ServiceUnavailable) and "no running replica" in r.message
-    assert r.headers["Retry-After"] and time.monotonic() - t0 < 0.25
-    assert adm.inflight["tiny"] == 0
+    assert r.model_id == "tiny" and time.monotonic() - t0 < 0.25
+    assert adm.inflight["tiny"] == 1
+    assert adm.bounds("tiny") == (12 + 32, 40 / 2)  # bounded as if one of its two replicas ran
+
+
+def test_a_fallback_with_a_running_replica_goes_before_a_primary_with_none() -> None:
+    cfg = _cfg()
+    cfg = cfg.model_copy(update={"models": [*cfg.models, cfg.models[0].model_copy(update={"id": "other"})]})
+    live = LiveReplicas(Counts(tiny=0, other=1), 1.0)
+    live.refresh()
+    adm = Admission(cfg, MemoryBackend(), live)
+    ticket = asyncio.run(adm.admit(PREMIUM, ["tiny", "other"], {"max_tokens": 8}, 100))
+    assert ticket.model_id == "other"
 
 
 def test_the_thread_refreshes_and_a_deletion_once_seen_stays() -> None:

@@ -1,0 +1,89 @@
+"""Capacity: how many requests each model has in flight here, its bounds, and who is shed.
+
+A model has room for a key when its in-flight requests (this replica's count, scaled to all
+gateway replicas) are below both its capacity (``max_ongoing_requests`` x running replicas +
+``max_queued_requests``; 503 for every tier) and its tier's share of ``saturation_requests`` (503
+for that tier). ``saturation_requests`` is given for the model at its largest (``max_replicas``),
+and both bounds follow the replicas running now (``replicas.LiveReplicas``), so that an
+autoscaled model running one replica sheds batch at the right point and grows its bounds when it
+scales up. A model with no running replica (starting, being replaced, its node lost) is bounded as
+if one ran, and a candidate with a running replica goes first: the request then waits in Ray
+Serve's queue (which also asks the autoscaler for a replica), and the forwarder's outage guard
+(``outage.py``) answers 503 once it has waited ``gateway.unavailable_hold_s`` for a model still
+down: the one hold. The gateway enforces the capacity
+itself: Ray Serve's ``max_queued_requests`` is counted per caller and only for requests waiting to
+be routed, so a burst can pass it. The slot is taken in the same step as the check, with no
+``await`` between, so a burst cannot pass it here.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from serve_app import errors
+from serve_app.config import AppConfig, TierConfig
+from serve_app.gateway.replicas import LiveReplicas
+
+
+class Capacity:
+    """In-flight counts and bounds of the models, for one gateway replica."""
+
+    def __init__(self, cfg: AppConfig, replicas: LiveReplicas | None = None) -> None:
+        self.cfg = cfg
+        self.replicas = replicas
+        self.inflight: dict[str, int] = defaultdict(int)
+        self._models = {m.id: m for m in cfg.models}
+
+    def running(self, model_id: str) -> int:
+        """Replicas of the model running now, or its configured count while that is unknown."""
+        live = self.replicas.running(model_id) if self.replicas is not None else None
+        if live is not None:
+            return live
+        m = self._models.get(model_id)
+        return m.deployment.most_replicas if m is not None else 1
+
+    def bounds(self, model_id: str) -> tuple[int | None, float | None]:
+        """(capacity, saturation) of the model for the replicas running now; None: unbounded."""
+        m = self._models.get(model_id)
+        if m is None:
+            return None, None
+        running = max(1, self.running(model_id))  # none running: the bounds of the first to come
+        capacity = m.deployment.capacity_with(running)
+        sat = m.admission.saturation_requests
+        most = m.deployment.most_replicas
+        saturation = None if sat is None else sat * min(running, most) / most
+        return capacity, saturation
+
+    def take(self, model_ids: Sequence[str], tier_name: str, tier: TierConfig) -> str:
+        """Count the request in flight on the first model with room, or raise the first refusal."""
+        refusals = []
+        # A model with a running replica before one without (its fallback stands in for it).
+        for model_id in sorted(model_ids, key=lambda m: self.running(m) == 0):
+            refusal = self._refusal(model_id, tier_name, tier)
+            if refusal is None:
+                self.inflight[model_id] += 1
+                return model_id
+            refusals.append(refusal)
+        raise refusals[0]
+
+    def release(self, model_id: str) -> None:
+        self.inflight[model_id] -= 1
+
+    def _refusal(self, model_id: str, tier_name: str, tier: TierConfig) -> errors.ServiceUnavailable | None:
+        # Each gateway replica sees its share of the traffic; scale its count to the whole.
+        load = self.inflight[model_id] * self.cfg.gateway.num_replicas
+        retry = self.cfg.gateway.retry_after_s
+        capacity, saturation = self.bounds(model_id)
+        if capacity is not None and load >= capacity:
+            return errors.ServiceUnavailable(
+                f"model {model_id!r} is at capacity ({capacity} requests running or queued). "
+                "Retry shortly.",
+                retry_after_s=retry,
+            )
+        if saturation is not None and tier.shed_at < 1.0 and load >= tier.shed_at * saturation:
+            return errors.Shed(
+                f"model {model_id!r} is saturated; tier {tier_name!r} is shed first. Retry shortly.",
+                retry_after_s=retry,
+            )
+        return None

@@ -1,0 +1,121 @@
+"""The limit charge of one request: every configured limit at once, and its settlement.
+
+A request is charged against its key's and its tier's counters together (concurrency, RPM, and
+TPM for the reserved tokens: the completion bound plus a prompt estimate), so that it is admitted
+only if all of them have room. The verdict also gives OpenAI's ``x-ratelimit-*`` headers. When the
+request ends, concurrency is released and the unused reservation refunded (or the overrun
+charged) against the real usage.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from serve_app import errors
+from serve_app.config import KeyRecord, Limits
+from serve_app.gateway.limits import Charge, LimitBackend, Verdict
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class Hold:
+    """What an admitted request holds on the counters, and the headers its answer carries."""
+
+    token_charges: list[Charge]
+    gauges: list[Charge]
+    headers: dict[str, str]
+
+
+def _fmt_reset(seconds: float) -> str:
+    s = max(0.0, seconds)
+    if s < 60:
+        return f"{s:.3g}s" if s < 10 else f"{round(s)}s"
+    return f"{int(s // 60)}m{round(s % 60)}s"
+
+
+def _charges(key: KeyRecord, key_limits: Limits, tier_limits: Limits,
+             tokens: int) -> tuple[list[Charge], list[int], list[int]]:
+    """The charges, and the indexes of the RPM and TPM ones (the key's first)."""
+    charges: list[Charge] = []
+    rpm_idx: list[int] = []
+    tpm_idx: list[int] = []
+    for scope, lim in ((f"key:{key.id}", key_limits), (f"tier:{key.tier}", tier_limits)):
+        if lim.max_concurrent:
+            charges.append(Charge(f"{scope}:conc", 1, lim.max_concurrent, gauge=True))
+        if lim.rpm:
+            rpm_idx.append(len(charges))
+            charges.append(Charge(f"{scope}:rpm", 1, lim.rpm))
+        if lim.tpm:
+            tpm_idx.append(len(charges))
+            charges.append(Charge(f"{scope}:tpm", tokens, lim.tpm))
+    return charges, rpm_idx, tpm_idx
+
+
+def _headers(charges: list[Charge], v: Verdict, rpm: list[int], tpm: list[int]) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers, from the key's own limits when set (else the tier's)."""
+    h: dict[str, str] = {}
+    for kind, idx in (("requests", rpm), ("tokens", tpm)):
+        known = [i for i in idx if i < len(v.remaining)]
+        if not known:
+            continue
+        i = known[0]
+        h[f"x-ratelimit-limit-{kind}"] = str(charges[i].limit)
+        h[f"x-ratelimit-remaining-{kind}"] = str(int(v.remaining[i]))
+        h[f"x-ratelimit-reset-{kind}"] = _fmt_reset(v.reset_s[i])
+    return h
+
+
+async def charge(backend: LimitBackend, key: KeyRecord, key_limits: Limits, tier_limits: Limits,
+                 reserve: int, field: str | None, now: float) -> Hold:
+    """Charge every limit for ``reserve`` tokens, or raise: ``RateLimited`` (429, with the
+    headers and when to retry), or ``InvalidRequest`` naming ``field`` when the reservation alone
+    is over a TPM limit (it could never be admitted)."""
+    charges, rpm, tpm = _charges(key, key_limits, tier_limits, reserve)
+    try:
+        verdict = await backend.admit(charges, now)
+    except Exception as exc:
+        # The shared counters are unreachable: serve unlimited rather than fail the request.
+        # Availability beats strictness here; the log and the missing headers show it.
+        logger.error("limits not enforced, counter backend failed: %s", exc.__class__.__name__)
+        verdict = Verdict(allowed=True)
+        charges, rpm, tpm = [], [], []
+    headers = _headers(charges, verdict, rpm, tpm)
+    if not verdict.allowed:
+        failed = charges[verdict.failed]
+        wait = max(verdict.retry_after_s, 0.001)
+        if failed.counter.endswith(":tpm") and reserve > failed.limit:
+            raise errors.InvalidRequest(
+                f"this request may use {reserve} tokens, more than the {failed.limit} tokens per "
+                f"minute allowed{f'; lower {field}' if field else ''}",
+                param=field,
+            )
+        what = {"conc": "concurrent requests", "rpm": "requests per minute",
+                "tpm": "tokens per minute"}[failed.counter.rsplit(":", 1)[1]]
+        scope = "key" if failed.counter.startswith("key:") else f"tier {key.tier!r}"
+        raise errors.RateLimited(
+            f"Rate limit reached for {what} ({failed.limit}) on this {scope}. "
+            f"Retry in {wait:.2f} s.",
+            headers={
+                **headers,
+                "Retry-After": str(max(1, math.ceil(wait))),
+                "retry-after-ms": str(max(1, math.ceil(wait * 1000))),
+            },
+        )
+    return Hold([charges[i] for i in tpm], [c for c in charges if c.gauge], headers)
+
+
+async def refund(backend: LimitBackend, gauges: list[Charge], token_charges: list[Charge],
+                 reserved: int, used: int | None, now: float) -> None:
+    """Release the ``gauges`` (concurrency) and refund the unused reservation of the
+    ``token_charges`` (or charge the overrun); ``used`` None (unknown) keeps the reservation."""
+    refunds = list(gauges)
+    if used is not None:
+        delta = reserved - used
+        refunds += [Charge(c.counter, delta, c.limit) for c in token_charges if delta]
+    try:
+        await backend.refund(refunds, now)
+    except Exception:  # a lost refund only makes limits stricter for a minute; never fail the request
+        logger.warning("limit settlement failed", exc_info=True)
