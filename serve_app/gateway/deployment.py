@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from ray import serve
 
 from serve_app import logflush
-from serve_app.config import AppConfig
+from serve_app.config import APP_NAME, AppConfig
 from serve_app.gateway.admission import Admission
 from serve_app.gateway.api import GatewayDeps, build_api
 from serve_app.gateway.drain import Drain, app_deleting_from_status
@@ -28,7 +28,7 @@ def _app_name() -> str:
     try:
         return str(serve.get_replica_context().app_name)
     except Exception:  # built outside a replica (unit tests)
-        return "llm"
+        return APP_NAME
 
 
 @serve.deployment
