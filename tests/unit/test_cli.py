@@ -1,4 +1,4 @@
-"""serve_app.cli: the stable local demo key, key commands, config checks and engine arguments
+"""serve_app.cli and what it dispatches to: the stable local demo key, key commands, config checks and engine arguments
 (no Ray started)."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.cli import DEMO_KEY_ID, ensure_demo_key, main
+from serve_app.cli import main
 from serve_app.config import load_app_config
 from serve_app.gateway.keys import KeyStore, create_key, read_keys_file, revoke_key
+from serve_app.local.demo_key import DEMO_KEY_ID, ensure_demo_key
 
 CONFIG_FILES = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.y*ml"))
 
