@@ -4,7 +4,7 @@
 
 Each tier gets a row with the SLA dashboard's panels (TTFT p95 and TPOT p95 against the objective,
 share within objective, goodput, rejections, requests by key); objectives come from the app config,
-exactly as in ``dashboards/grafana/serve-app-sla.json``. A panel whose query returns nothing is drawn
+exactly as in ``serve_app/ops/dashboards/serve-app-sla.json``. A panel whose query returns nothing is drawn
 with "no data" and listed on stderr.
 """
 

@@ -35,10 +35,10 @@ import yaml
 from loadtests.harness import stack as harness
 from loadtests.sla import Objective, read_objectives, top_tier
 from loadtests.harness.stack import Stack
+from serve_app.config import APP_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = ROOT / "loadtests" / "locustfile.py"
-APP_NAME = "llm"
 
 
 def say(msg: str) -> None:

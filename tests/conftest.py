@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+
+from serve_app.local.redis_server import LocalStateError, start_local_redis
 
 # Ray caches its config when it is imported. The integration tests' driver connects to the session
 # stack's cluster by its address, and a cluster that ray.init() starts uses token auth, which an
@@ -32,39 +30,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=rank)  # stable: the order within each group is kept
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A private redis-server (installed by scripts/system-deps.sh), bound to 127.0.0.1."""
-    exe = shutil.which("redis-server")
-    if exe is None:
+    """A private redis-server (installed by scripts/system-deps.sh), bound to 127.0.0.1, started as
+    ``serve-app run`` starts its own: ready means PING answers PONG, not only an open port."""
+    if shutil.which("redis-server") is None:
         if os.environ.get("CI"):
             pytest.fail("redis-server is missing: .ci/run must run scripts/system-deps.sh")
         pytest.skip("redis-server is not installed (run scripts/system-deps.sh)")
-    port = free_port()
-    workdir: Path = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail("redis-server did not start")
-            time.sleep(0.05)
     try:
-        yield f"redis://127.0.0.1:{port}/0"
+        redis = start_local_redis(tmp_path_factory.mktemp("redis"))
+    except LocalStateError as exc:
+        pytest.fail(str(exc))
+    try:
+        yield redis.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        redis.stop()

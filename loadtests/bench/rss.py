@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
+from serve_app.config import APP_NAME
+
 
 def main(address: str) -> int:
     import ray
@@ -18,7 +20,7 @@ def main(address: str) -> int:
 
     ray.init(address=address, log_to_driver=False, logging_level="ERROR")
     try:
-        diag = serve.get_deployment_handle("gateway", app_name="llm").diagnostics.remote()
+        diag = serve.get_deployment_handle("gateway", app_name=APP_NAME).diagnostics.remote()
         print(json.dumps(diag.result(timeout_s=30)), flush=True)
     finally:
         ray.shutdown()

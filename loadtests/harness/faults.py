@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from loadtests.harness.stack import cmdline, descendants, proc_stat
+from serve_app.config import APP_NAME
 
 OK_KINDS = frozenset({"completed", "error_event", "unavailable", "rate_limited"})
 
@@ -33,7 +34,7 @@ def _title(pid: int) -> str:
     return " ".join(a for a in cmdline(pid) if a)
 
 
-def find_replicas(root: int, deployment: str, app: str = "llm") -> list[int]:
+def find_replicas(root: int, deployment: str, app: str = APP_NAME) -> list[int]:
     """Pids of a deployment's replica processes under ``root`` (Ray's process title)."""
     # Exactly this deployment: "model-tiny-chat" must not match "model-tiny-chat-b". Ray appends
     # ".method" to the title while an actor runs a task.

@@ -2,8 +2,9 @@
 
 The integration tests' session stack, the sweep, the benchmark and the locust UI test all start
 processes through this module, and only this module starts ``serve-app run``. It treats the app
-as a black box: it calls the public commands (``serve-app run``, ``serve-app keys create``) and
-reads config files only through ``serve_app.config``.
+as a black box: it calls the public commands (``serve-app run``, ``serve-app keys create``),
+reads config files only through ``serve_app.config`` and takes free ports from
+``serve_app.local.ports`` (the one port finder, which imports nothing of the app).
 
     stack = start_stack(Path("configs/local.yaml"), workdir, keys={"me": ("premium", ["*"])})
     try:
@@ -21,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +36,7 @@ import yaml
 from pydantic import ValidationError
 
 from serve_app.config import AppConfig, format_validation_error, load_app_config
+from serve_app.local.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "serve_app.cli"]
@@ -48,12 +49,6 @@ EditArgs = Callable[[dict[str, Any]], None]
 
 def _say(msg: str) -> None:
     print(f"[stack] {msg}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 # ---- /proc ------------------------------------------------------------------------------------------
@@ -272,8 +267,9 @@ def copy_config(src: Path, dst: Path, *, port: int, keys_file: Path,
     return dst
 
 
-def create_key(keys_file: Path, key_id: str, tier: str, models: Sequence[str] = ("*",)) -> str:
-    """A new key in ``keys_file``, made by the public ``serve-app keys create`` command; returns
+def keys_create(keys_file: Path, key_id: str, tier: str, models: Sequence[str] = ("*",)) -> str:
+    """A new key in ``keys_file``, made by the public ``serve-app keys create`` command (the one
+    implementation is serve_app.gateway.keys.create_key, which tests may call directly); returns
     its secret (the command's last line)."""
     argv = [*CLI, "keys", "create", "--keys-file", str(keys_file), "--id", key_id, "--tier", tier,
             "--models", ",".join(models)]
@@ -366,10 +362,10 @@ def start_stack(src: Path, workdir: Path, *,
     that exits during start-up is started again up to ``retries`` times (Ray's own node start-up
     can time out on a busy machine). Stop it with ``Stack.stop``."""
     workdir.mkdir(parents=True, exist_ok=True)
-    port = port or free_port()
+    port = port or free_port(HOST)
     keys_file = workdir / "keys.yaml"
     config = copy_config(src, workdir / "serve.yaml", port=port, keys_file=keys_file, edit=edit)
-    made = {kid: create_key(keys_file, kid, tier, models)
+    made = {kid: keys_create(keys_file, kid, tier, models)
             for kid, (tier, models) in (keys or {}).items()}
     watched = list(watch)
     attempt = 1

@@ -1,6 +1,7 @@
 """Strict pydantic models of the whole app: the only place where defaults live."""
 
 from serve_app.config.models import (
+    APP_NAME,
     Accelerator,
     AdmissionConfig,
     AppConfig,
@@ -20,6 +21,7 @@ from serve_app.config.models import (
 )
 
 __all__ = [
+    "APP_NAME",
     "Accelerator",
     "AdmissionConfig",
     "AppConfig",

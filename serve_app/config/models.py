@@ -25,6 +25,9 @@ from pydantic import (
 )
 
 _ID_RE = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
+# The Ray Serve application's name: `serve-app run` deploys under it, the configs' applications
+# are named it, and the tools that find the app's deployments (diagnose, tests, load tools) use it.
+APP_NAME = "llm"
 
 
 class _Strict(BaseModel):

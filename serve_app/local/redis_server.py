@@ -18,11 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+from serve_app.local.ports import free_port
 
 
 def redis_argv(exe: str, port: int, state_dir: Path) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -476,3 +477,12 @@ def run(base_url: str, api_key: str, *, out: Callable[[str], None] = print,
         return 0
     out(f"{failed} check(s) failed, {skipped} not run")
     return 1
+
+
+def main(base_url: str, api_key: str | None) -> int:
+    """``serve-app doctor``: the key defaults to $OPENAI_API_KEY; without one, exit code 2."""
+    key = api_key or os.environ.get("OPENAI_API_KEY", "")
+    if not key:
+        print("error: pass --api-key or set OPENAI_API_KEY", file=sys.stderr)
+        return 2
+    return run(base_url, key)

@@ -30,12 +30,14 @@ from typing import Any
 
 import yaml
 
-from loadtests.harness.stack import copy_config, create_key, free_port
+from loadtests.harness.stack import copy_config
+from serve_app.config import APP_NAME
+from serve_app.gateway.keys import create_key
+from serve_app.local.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 HOST = "127.0.0.1"
-APP = "llm"
 NUM_CPUS = 8
 
 
@@ -123,7 +125,7 @@ class RayCluster:
     def status(self) -> dict[str, Any]:
         done = self.run([str(BIN / "serve"), "status", "-a", self.dashboard], timeout_s=60)
         doc = yaml.safe_load(done.stdout) or {}
-        return doc.get("applications", {}).get(APP) or {}
+        return doc.get("applications", {}).get(APP_NAME) or {}
 
     def wait_running(self, timeout_s: float = 600, what: str = "the app",
                      ready: Callable[[dict[str, Any]], bool] | None = None) -> float:
@@ -199,8 +201,8 @@ def write_config(src: Path, workdir: Path, port: int, keys_file: Path, redis_url
 
 def mounted_keys(workdir: Path, keys: Mapping[str, str]) -> tuple[Path, dict[str, str]]:
     """A keys file in a directory of its own, as a mounted Secret is (``keys``: id -> tier); the
-    secrets made by ``serve-app keys create``."""
+    secrets made by serve_app.gateway.keys."""
     folder = workdir / "keys"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "keys.yaml"
-    return path, {kid: create_key(path, kid, tier) for kid, tier in keys.items()}
+    return path, {kid: create_key(path, kid, tier, ["*"]) for kid, tier in keys.items()}

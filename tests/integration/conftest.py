@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from loadtests.harness.stack import Stack, StackError, start_stack
+from serve_app.config import APP_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 900
@@ -111,7 +112,7 @@ def serve_handles(stack: Stack) -> Any:
     _ray_connected = True
 
     def get(name: str) -> Any:
-        return serve.get_deployment_handle(name, app_name="llm")
+        return serve.get_deployment_handle(name, app_name=APP_NAME)
 
     return get
 

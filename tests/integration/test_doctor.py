@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import free_port
+from serve_app.local.ports import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -263,9 +263,9 @@ def test_run_prometheus_flag_starts_one_beside_ray(serve_handles, tmp_path: Path
     """What ``serve-app run --prometheus`` does once the app is ready (Ray connected)."""
     if shutil.which("prometheus") is None:
         pytest.skip("prometheus is not installed")
-    from serve_app.cli import _start_prometheus
+    from serve_app.local.prometheus import start_for_ray
 
-    prom = _start_prometheus(tmp_path)
+    prom = start_for_ray(tmp_path)
     try:
         assert prom is not None
         out = capsys.readouterr().out

@@ -14,7 +14,7 @@ from ray.serve._private.build_app import build_app as ray_build_app
 from ray.serve.config import AutoscalingConfig as RayAutoscalingConfig
 
 from serve_app.app import build_app, model_deployment_options, parse_args
-from serve_app.config import AppConfig, ModelConfig, load_app_config
+from serve_app.config import APP_NAME, AppConfig, ModelConfig, load_app_config
 from serve_app.engine.deployment import ModelServer
 
 CONFIG_FILES = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.y*ml"))
@@ -100,7 +100,7 @@ def test_parse_args_accepts_validated_config() -> None:
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
 def test_shipped_config_builds_gateway_plus_one_deployment_per_model(path: Path) -> None:
     cfg = load_app_config(path)
-    built = ray_build_app(build_app(cfg), name="llm")
+    built = ray_build_app(build_app(cfg), name=APP_NAME)
     names = {d.name for d in built.deployments}
     assert built.ingress_deployment_name == "gateway"
     assert names == {"gateway"} | {m.deployment_name for m in cfg.models}
@@ -111,6 +111,6 @@ def test_model_deployments_learn_the_top_tier_priority() -> None:
         "models": [{"id": "m", "source": "x"}], "default_tier": "batch",
         "tiers": {"premium": {"priority": 1}, "batch": {"priority": 9}},
     })
-    built = ray_build_app(build_app(cfg), name="llm")
+    built = ray_build_app(build_app(cfg), name=APP_NAME)
     model = next(d for d in built.deployments if d.name == "model-m")
     assert model.init_args[2] == 1

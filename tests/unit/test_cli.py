@@ -1,4 +1,4 @@
-"""serve_app.cli: the stable local demo key, key commands, config checks and engine arguments
+"""serve_app.cli and what it dispatches to: the stable local demo key, key commands, config checks and engine arguments
 (no Ray started)."""
 
 from __future__ import annotations
@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import yaml
 
-from serve_app.cli import DEMO_KEY_ID, ensure_demo_key, main
-from serve_app.config import load_app_config
+from serve_app.cli import main
+from serve_app.config import APP_NAME, load_app_config
 from serve_app.gateway.keys import KeyStore, create_key, read_keys_file, revoke_key
+from serve_app.local.demo_key import DEMO_KEY_ID, ensure_demo_key
+from serve_app.local.stack import LocalStack, app_status
 
 CONFIG_FILES = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.y*ml"))
 
@@ -160,3 +164,46 @@ def test_engine_args_errors_are_messages(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["engine-args", "--config", str(config), "--model", "m"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "'no_such_pkg_xyz' is not installed" in captured.err
+
+
+# ---- serve-app run's parts, without Ray ---------------------------------------------------------
+def test_shipped_configs_name_their_app_by_the_one_constant() -> None:
+    for path in CONFIG_FILES:
+        apps = yaml.safe_load(path.read_text())["applications"]
+        assert [a["name"] for a in apps] == [APP_NAME], path
+
+
+def test_run_stops_before_ray_on_an_unreadable_keys_file(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text("keys: [not a record]\n")
+    config = CONFIG_FILES[0].parent / "local.yaml"
+    assert main(["run", "--config", str(config), "--keys-file", str(keys_file)]) == 2
+    captured = capsys.readouterr()
+    assert "error: " in captured.err and "starting Ray" not in captured.out
+
+
+def test_the_stack_takes_host_and_port_from_the_file_unless_given(tmp_path: Path) -> None:
+    cfg = load_app_config(CONFIG_FILES[0].parent / "local.yaml")
+    stack = LocalStack.from_config(cfg, {"host": "0.0.0.0", "port": 9000})
+    assert (stack.host, stack.port) == ("0.0.0.0", 9000)
+    assert stack.keys_file == Path(cfg.gateway.keys_file).resolve()
+    stack = LocalStack.from_config(cfg, None, host="127.0.0.2", port=9100,
+                                   keys_file=str(tmp_path / "k.yaml"))
+    assert stack.base_url == "http://127.0.0.2:9100/v1"
+    assert stack.keys_file == tmp_path / "k.yaml"
+    assert LocalStack.from_config(cfg, None).base_url == "http://127.0.0.1:8000/v1"
+
+
+def test_app_status_names_each_deployment() -> None:
+    def status(app: object | None) -> SimpleNamespace:
+        return SimpleNamespace(applications={APP_NAME: app} if app else {})
+
+    def word(value: str) -> SimpleNamespace:
+        return SimpleNamespace(value=value)
+
+    assert app_status(status(None)) == ("NOT_STARTED", "")
+    app = SimpleNamespace(status=word("DEPLOYING"), deployments={
+        "model-b": SimpleNamespace(status=word("UPDATING")),
+        "gateway": SimpleNamespace(status=word("HEALTHY"))})
+    assert app_status(status(app)) == ("DEPLOYING", "gateway=HEALTHY model-b=UPDATING")

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from dashboards.__main__ import GRAFANA_DIR
 from dashboards.__main__ import main as generate
 from dashboards.queries import boards, concrete, le
 from serve_app.config import load_app_config
@@ -26,7 +27,7 @@ METRIC = re.compile(r"\bray_[A-Za-z0-9_]+")
 
 
 def _dashboards() -> dict[str, dict[str, Any]]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted((DASH / "grafana").glob("*.json"))}
+    return {p.stem: json.loads(p.read_text()) for p in sorted(GRAFANA_DIR.glob("*.json"))}
 
 
 def _panels(d: dict[str, Any]) -> list[dict[str, Any]]:

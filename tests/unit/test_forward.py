@@ -19,7 +19,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.responses import Response, StreamingResponse
 
 from serve_app import errors
-from serve_app.config import GatewayConfig
+from serve_app.config import APP_NAME, GatewayConfig
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.ledger import Outcome
 from serve_app.protocol import (
@@ -171,7 +171,7 @@ def test_backpressure_is_503_with_retry_after() -> None:
 @pytest.mark.parametrize(
     "exc",
     [
-        DeploymentUnavailableError(DeploymentID(name="model-tiny-chat", app_name="llm")),
+        DeploymentUnavailableError(DeploymentID(name="model-tiny-chat", app_name=APP_NAME)),
         RayActorError(),
         RayTaskError("chat", "Traceback: /secret/path.py", RuntimeError("boom")),
     ],

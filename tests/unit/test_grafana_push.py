@@ -4,15 +4,20 @@
 from __future__ import annotations
 
 import json
+import tomllib
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from dashboards.__main__ import GRAFANA_DIR
 from serve_app.cli import main
-from serve_app.ops.grafana_push import DASHBOARD_DIR
+from serve_app.ops.grafana_push import DASHBOARD_DIR, dashboard_files
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Grafana(BaseHTTPRequestHandler):
@@ -73,7 +78,7 @@ def test_push_creates_the_folder_and_overwrites_each_dashboard(grafana: str,
     posts = [(p, b) for m, p, b, _ in _Grafana.calls if m == "POST"]
     assert posts[0] == ("/api/folders", {"title": "serve-app"})
     pushed = {b["dashboard"]["uid"]: b for p, b in posts if p == "/api/dashboards/db"}
-    assert set(pushed) == {f.stem for f in DASHBOARD_DIR.glob("*.json")}
+    assert set(pushed) == {f.name.removesuffix(".json") for f in dashboard_files()}
     for body in pushed.values():
         assert body["overwrite"] is True and body["folderUid"] == "f-1"
         assert body["dashboard"]["panels"]
@@ -92,3 +97,20 @@ def test_push_to_nothing_is_a_message_not_a_traceback() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["dashboards", "push", "--url", "http://127.0.0.1:9", "--token", "t"])
     assert "push to http://127.0.0.1:9 failed" in str(exc.value)
+
+
+def test_the_dashboards_are_package_data() -> None:
+    # Found through importlib.resources (as in a wheel install), where `python -m dashboards`
+    # writes them, and declared as package data so that a wheel carries them.
+    assert Path(str(DASHBOARD_DIR)).resolve() == GRAFANA_DIR.resolve()
+    assert {f.name for f in dashboard_files()} == {
+        "serve-app-capacity.json", "serve-app-engines.json", "serve-app-sla.json"}
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    package_data = pyproject["tool"]["setuptools"]["package-data"]
+    assert "dashboards/*.json" in package_data["serve_app.ops"]
+
+
+def test_push_from_a_folder_without_dashboards_is_a_message(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["dashboards", "push", "--url", "http://127.0.0.1:9", "--dir", str(tmp_path / "none")])
+    assert f"no dashboard JSON in {tmp_path / 'none'}" in str(exc.value)

@@ -82,13 +82,13 @@ def test_copy_config_refuses_an_edit_the_schema_refuses(tmp_path: Path) -> None:
                             keys_file=tmp_path / "keys.yaml", edit=edit)
 
 
-def test_create_key_runs_the_public_command(tmp_path: Path) -> None:
+def test_keys_create_runs_the_public_command(tmp_path: Path) -> None:
     keys_file = tmp_path / "keys.yaml"
-    secret = harness.create_key(keys_file, "load-1", "batch", ["tiny-chat"])
+    secret = harness.keys_create(keys_file, "load-1", "batch", ["tiny-chat"])
     record = KeyStore(keys_file).lookup(secret)
     assert record is not None and record.tier == "batch" and record.models == ("tiny-chat",)
     with pytest.raises(harness.StackError, match="keys create --id load-1 failed"):
-        harness.create_key(keys_file, "load-1", "batch")  # the id is taken
+        harness.keys_create(keys_file, "load-1", "batch")  # the id is taken
 
 
 def test_an_app_that_exits_during_start_up_fails_fast_with_its_log(tmp_path: Path) -> None:

@@ -1,0 +1,249 @@
+"""``serve-app run``: the embedded default as one ``LocalStack``.
+
+``start`` makes what the app needs on this machine (the demo key, a local Redis for usage and limit
+state, the tiny model, the front door's settings) and starts Ray; ``deploy`` starts Ray Serve and
+deploys the app; ``wait_ready`` follows Ray Serve's status until the app runs; ``stop`` drains and
+ends all of it. ``run`` does the four in order, between Ctrl-Cs: the first Ctrl-C drains
+(``serve.delete`` of the app, then ``serve.shutdown``); a second one skips the drain.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from serve_app.config import APP_NAME, AppConfig
+from serve_app.gateway.keys import KeysFileError
+from serve_app.local import front_door, prometheus, say
+from serve_app.local.demo_key import ensure_demo_key
+from serve_app.local.redis_server import LocalRedis, LocalStateError, start_local_redis
+from serve_app.local.tiny_model import ensure_tiny_model
+
+LOGS = "/tmp/ray/session_latest/logs"
+
+
+class DeployFailed(RuntimeError):
+    """The app failed to deploy, or was not ready in time (what went wrong was said already)."""
+
+
+def app_status(status: Any) -> tuple[str, str]:
+    """The app's state in a ``serve.status()`` answer and one ``deployment=STATUS`` word per
+    deployment; ``NOT_STARTED`` before the app exists."""
+    app = status.applications.get(APP_NAME)
+    if app is None:
+        return "NOT_STARTED", ""
+    parts = [f"{name}={d.status.value}" for name, d in sorted(app.deployments.items())]
+    return app.status.value, " ".join(parts)
+
+
+def stop_on_signals() -> threading.Event:
+    """SIGINT and SIGTERM set the returned event, so that the stack drains; a second one raises
+    KeyboardInterrupt in the main thread, which skips the drain."""
+    stopping = threading.Event()
+
+    def _stop(*_: Any) -> None:
+        if stopping.is_set():
+            raise KeyboardInterrupt
+        stopping.set()
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    return stopping
+
+
+class LocalStack:
+    """The app and what it needs on this machine, on ``host:port``, with keys in ``keys_file``."""
+
+    def __init__(self, cfg: AppConfig, *, host: str, port: int, keys_file: Path, ingress: str,
+                 verbose: bool = False) -> None:
+        self.cfg = cfg
+        self.host = host
+        self.port = port
+        self.keys_file = keys_file.resolve()
+        self.ingress = ingress
+        self.verbose = verbose
+        self.secret = ""
+        self.redis: LocalRedis | None = None
+        self.run_dir: Path | None = None
+        self.prometheus: prometheus.Prometheus | None = None
+
+    @classmethod
+    def from_config(cls, cfg: AppConfig, http_options: Mapping[str, Any] | None, *,
+                    host: str | None = None, port: int | None = None, keys_file: str | None = None,
+                    ingress: str = "haproxy", verbose: bool = False) -> LocalStack:
+        """A stack for a Ray Serve config file's app and ``http_options``; the arguments given
+        override the file's host, port and ``gateway.keys_file``."""
+        http = dict(http_options or {})
+        return cls(cfg, host=host or http.get("host", "127.0.0.1"),
+                   port=port or int(http.get("port", 8000)),
+                   keys_file=Path(keys_file or cfg.gateway.keys_file), ingress=ingress,
+                   verbose=verbose)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    # ---- the parts ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """The demo key, the state store, the tiny model, the front door, then Ray. A keys file
+        that cannot be read raises KeysFileError before anything starts."""
+        self.secret = ensure_demo_key(self.keys_file, self.keys_file.parent / "demo-key.secret")
+        self._start_state_store()
+        if any(m.source == "builtin:tiny-chat" for m in self.cfg.models):
+            ensure_tiny_model(self.cfg.cache_dir)
+        self._start_ray()
+
+    def _start_state_store(self) -> None:
+        """Usage totals and limit counters outlive a gateway replica in a local Redis, unless the
+        config names a Redis of its own (redis_server.py)."""
+        update: dict[str, Any] = {"keys_file": str(self.keys_file)}
+        if self.cfg.gateway.redis_url is None:
+            try:
+                self.redis = start_local_redis(self.keys_file.parent / "state")
+                update["redis_url"] = self.redis.url
+                atexit.register(self.redis.stop)  # also when start-up fails before stop()
+                say(f"usage and limit state: local redis-server on {self.redis.url} "
+                    f"(persisted in {self.redis.state_dir})")
+            except LocalStateError as exc:
+                say(f"usage and limit state stay in each gateway's memory: {exc}")
+        self.cfg = self.cfg.model_copy(update={"gateway": self.cfg.gateway.model_copy(update=update)})
+
+    def _start_ray(self) -> None:
+        say("starting Ray (local, loopback only) ...")
+        from serve_app.gateway.proxy_middleware import IMPORT_PATH
+
+        # Ray's HTTP servers read this when they start: it bounds the X-Request-Id they echo.
+        os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", IMPORT_PATH)
+        # Ray Serve reads the ingress settings once, when ray.serve is first imported, in every
+        # process: Ray's own (so before ray.init) and this one, which builds the app and its
+        # deployment handles (so before the import; otherwise the handles between the gateway and
+        # the models would not get the transport that front_door.py chooses).
+        # Short: Ray adds a 56-character node directory, and HAProxy's socket path allows 97 characters.
+        self.run_dir = Path(tempfile.mkdtemp(prefix="sa-", dir="/tmp"))
+        front_door.apply(self.ingress, self.run_dir, self.host)
+        if self.verbose:  # throughput mode keeps replica logs off stderr, which is what --verbose shows
+            os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "1")
+        say(f"HTTP ingress: {front_door.describe(self.ingress)}")
+        import ray
+
+        # Logical CPUs are scheduling tokens; engines pin their own threads (VLLM_CPU_OMP_THREADS_BIND).
+        ray.init(
+            num_cpus=max(8, os.cpu_count() or 1),
+            include_dashboard=False,
+            log_to_driver=self.verbose,
+            configure_logging=True,
+            logging_level=logging.WARNING,
+        )
+
+    def deploy(self) -> None:
+        """Ray Serve on ``host:port``, and the app under APP_NAME (without waiting for it)."""
+        from ray import serve
+
+        from serve_app.app import build_app
+
+        serve.start(http_options={"host": self.host, "port": self.port}, proxy_location="HeadOnly")
+        say(f"deploying {', '.join(m.id for m in self.cfg.models)} "
+            "(engines take about a minute on CPU) ...")
+        serve._run(build_app(self.cfg), _blocking=False, name=APP_NAME, route_prefix="/")
+
+    def wait_ready(self, timeout_s: float, stopping: threading.Event) -> bool:
+        """Follow Ray Serve's status every 2 s, saying each change: True once the app runs, False
+        if ``stopping`` is set first; DeployFailed (after saying why) if it failed or timed out."""
+        from ray import serve
+
+        t0 = time.monotonic()
+        last = ""
+        while not stopping.is_set():
+            status = serve.status()
+            state, detail = app_status(status)
+            if detail != last:
+                say(f"{time.monotonic() - t0:5.0f} s  {state}: {detail}")
+                last = detail
+            if state == "RUNNING":
+                say(f"ready in {time.monotonic() - t0:.0f} s. Paste these into a shell:")
+                return True
+            if state in ("DEPLOY_FAILED", "UNHEALTHY"):
+                app = status.applications[APP_NAME]
+                say(f"deployment failed: {app.message[-2000:]}")
+                for name, d in app.deployments.items():
+                    if d.message:
+                        say(f"{name}: {d.message[-2000:]}")
+                raise DeployFailed(state)
+            if time.monotonic() - t0 > timeout_s:
+                say(f"not ready after {timeout_s} s; logs are in {LOGS}")
+                raise DeployFailed("timeout")
+            stopping.wait(2.0)
+        return False
+
+    def announce(self, ready_file: str | None = None, with_prometheus: bool = False) -> None:
+        """Print the base URL and the demo key, write ``ready_file`` for scripts, and start a
+        Prometheus if asked."""
+        print(f"OPENAI_BASE_URL={self.base_url}", flush=True)
+        print(f"OPENAI_API_KEY={self.secret}", flush=True)
+        say(f"Ctrl-C stops everything. Logs: {LOGS}")
+        if ready_file:
+            Path(ready_file).write_text(json.dumps({"base_url": self.base_url}))
+        if with_prometheus and self.run_dir is not None:
+            self.prometheus = prometheus.start_for_ray(self.run_dir)
+
+    def stop(self) -> None:
+        """Drain, then stop Ray Serve, Ray, Prometheus and the local Redis."""
+        import ray
+        from ray import serve
+
+        say("shutting down ...")
+        if self.prometheus is not None:
+            self.prometheus.stop()
+        try:
+            # Delete the app first, while Ray Serve's proxies still run: the gateways give their
+            # streams gateway.drain_timeout_s to finish, then end them with an error event
+            # (gateway/drain.py). serve.shutdown() stops the proxies at once, cutting streams.
+            t_drain = time.monotonic()
+            say(f"draining in-flight requests (at most {self.cfg.gateway.drain_timeout_s:.0f} s; "
+                "Ctrl-C again to skip) ...")
+            serve.delete(APP_NAME, _blocking=True)
+            say(f"drained in {time.monotonic() - t_drain:.1f} s")
+        except (Exception, KeyboardInterrupt) as exc:
+            say(f"drain skipped: {exc.__class__.__name__}")
+        try:
+            serve.shutdown()  # type: ignore[no-untyped-call]
+        finally:
+            ray.shutdown()
+            if self.run_dir is not None:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            if self.redis is not None:
+                self.redis.stop()
+        say("stopped")
+
+    # ---- all of it ------------------------------------------------------------------------------
+    def run(self, timeout_s: float, ready_file: str | None = None,
+            with_prometheus: bool = False) -> int:
+        """Start, deploy, wait until ready, announce, then wait for Ctrl-C and stop; the exit code
+        (2: the keys file cannot be read; 1: the app did not become ready)."""
+        try:
+            self.start()
+        except KeysFileError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        stopping = stop_on_signals()
+        try:
+            self.deploy()
+            if self.wait_ready(timeout_s, stopping):
+                self.announce(ready_file, with_prometheus)
+            stopping.wait()
+        except DeployFailed:
+            return 1
+        finally:
+            self.stop()
+        return 0

@@ -1,0 +1,23 @@
+"""The tiny chat model in the model cache: ``serve-app build-tiny-model``, and ``serve-app run``
+before it deploys a config that names ``builtin:tiny-chat``."""
+
+from __future__ import annotations
+
+import time
+
+from serve_app.local import say
+
+
+def ensure_tiny_model(cache_dir: str, force: bool = False) -> None:
+    """Build the tiny chat model unless it is built already (or ``force``), saying what it does."""
+    from serve_app.engine.sources import builtin_path
+    from serve_app.engine.tiny_model import build_tiny_model, is_built
+
+    path = builtin_path("tiny-chat", cache_dir)
+    if is_built(path) and not force:
+        say(f"tiny chat model already built at {path}")
+        return
+    say(f"building the tiny chat model at {path} (seeded weights, local tokenizer) ...")
+    t0 = time.monotonic()
+    build_tiny_model(path, force=force)
+    say(f"built in {time.monotonic() - t0:.1f} s")

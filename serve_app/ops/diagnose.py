@@ -1,0 +1,32 @@
+"""``serve-app diagnose``: the running app's status, its gateway's diagnostics and each model
+replica's slot counts, read through a driver that joins the local Ray cluster."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from serve_app.config import APP_NAME
+from serve_app.local.stack import app_status
+
+
+def run() -> int:
+    import ray
+    from ray import serve
+
+    from serve_app.app import GATEWAY_DEPLOYMENT
+
+    ray.init(address="auto", log_to_driver=False, logging_level=logging.ERROR)
+    status = serve.status()
+    state, detail = app_status(status)
+    print(f"app {APP_NAME}: {state} {detail}")
+    if state == "RUNNING":
+        gw = serve.get_deployment_handle(GATEWAY_DEPLOYMENT, app_name=APP_NAME)
+        print("gateway:", json.dumps(gw.diagnostics.remote().result(timeout_s=10)))
+        # One replica of each model answers: requests in its engine, and those waiting in the
+        # replica for a slot (admission.reserved_slots keeps some for the top tier).
+        for name in sorted(status.applications[APP_NAME].deployments):
+            if name != GATEWAY_DEPLOYMENT:
+                model = serve.get_deployment_handle(name, app_name=APP_NAME)
+                print(f"{name}:", json.dumps(model.stats.remote().result(timeout_s=10)))
+    return 0
