@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import http.client
+import http.server
 import json
 import os
+import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from serve_app.gateway.timing import arrival_from_headers
 from serve_app.local import front_door
 
 # The listeners of Ray Serve's HAProxy template (ray/serve/_private/haproxy_templates.py).
@@ -145,3 +151,64 @@ def test_wrapper_adds_timeout_error_files_and_method_rules_that_haproxy_accepts(
 def test_replica_grpc_limit_is_raised_with_haproxy(tmp_path: Path) -> None:
     env = front_door.haproxy_env(tmp_path, "127.0.0.1", "/bin/true")
     assert int(env["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]) == 64 * 2**20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_haproxy_stamps_each_request_on_arrival_and_drops_the_clients_stamp(tmp_path: Path) -> None:
+    seen: list[list[str]] = []
+
+    class Backend(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            seen.append(self.headers.get_all("X-Request-Start") or [])
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    backend = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Backend)
+    threading.Thread(target=backend.serve_forever, daemon=True).start()
+    port = _free_port()
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(RAY_TEMPLATE_LIKE.format(d=tmp_path)
+                   .replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+                   .replace("127.0.0.1:8001", f"127.0.0.1:{backend.server_port}")
+                   .replace("*:8404", f"*:{_free_port()}"))
+    (tmp_path / "500.http").write_text("HTTP/1.1 500 x\r\nContent-Length: 0\r\n\r\n")
+    env = front_door.haproxy_env(tmp_path / "run", "127.0.0.1", front_door.haproxy_binary())
+    proc = subprocess.Popen([env["RAY_SERVE_HAPROXY_BINARY_PATH"], "-db", "-f", str(cfg)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        conn = None
+        for _ in range(100):
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.connect()
+                break
+            except OSError:
+                time.sleep(0.05)
+        assert conn is not None
+        sent = []
+        for _ in range(2):  # one keep-alive connection: each request gets its own stamp
+            sent.append(time.time())
+            conn.request("GET", "/v1/models", headers={"X-Request-Start": "t=1"})
+            assert conn.getresponse().read() == b""
+            time.sleep(0.3)
+        conn.close()
+    finally:
+        proc.kill()
+        proc.wait()
+        backend.shutdown()
+    assert [len(h) for h in seen] == [1, 1]
+    for headers, t in zip(seen, sent, strict=True):
+        stamp = arrival_from_headers({"x-request-start": headers[0]}, time.time())
+        assert headers[0].startswith("t=") and len(headers[0]) == 18  # microseconds
+        assert stamp is not None and t - 0.01 <= stamp <= t + 0.25
