@@ -78,7 +78,8 @@ def test_haproxy_of_this_config_is_found_and_reniced(tmp_path: Path) -> None:
     other = tmp_path / "other.cfg"
     other.write_text(HAPROXY_CFG.format(port=_free_port()))
     procs = [subprocess.Popen([front_door.haproxy_binary(), "-db", "-f", str(c)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
              for c in (cfg, other)]
     try:
         deadline = time.monotonic() + 5
