@@ -37,6 +37,9 @@ def _panel(p: Panel) -> ts_b.Panel:
                 .display_mode(common_m.LegendDisplayMode.LIST)
                 .placement(common_m.LegendPlacement.BOTTOM))
     )
+    if p.stacked:  # the parts of one whole (stages of a request): drawn on top of each other
+        panel = (panel.stacking(common_b.StackingConfig().mode(common_m.StackingMode.NORMAL))
+                 .fill_opacity(60))
     if p.threshold is not None:
         panel = (
             panel.thresholds(dash_b.ThresholdsConfig().mode(dash_m.ThresholdsMode.ABSOLUTE).steps([

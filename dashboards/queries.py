@@ -21,6 +21,9 @@ REJECTIONS = exported("rejections_total")
 GOODPUT = exported("goodput_total")
 SLO_MISSES = exported("slo_misses_total")
 TOKENS = exported("tokens_total")
+STAGE = exported("stage_seconds")
+LOOP_LAG = exported("event_loop_lag_seconds")
+CPU = exported("process_cpu_seconds_total")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class Panel:
     description: str = ""
     threshold: float | None = None  # drawn as a red dashed line (an objective or a limit)
     tier: str | None = None
+    stacked: bool = False  # series are parts of one whole, drawn stacked
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,17 @@ def tier_panels(tier: str, ttft_s: float, tpot_s: float, w: str = RATE) -> list[
             Target(f"sum by (key_id, status) (rate({REQUESTS}{{{sel}}}[{w}]))",
                    "{{key_id}} {{status}}"),
         ), tier=tier),
+        Panel(f"{tier}: where the time goes (mean per stage)", "s", (
+            Target(f"sum by (stage) (rate({STAGE}_sum{{{sel}}}[{w}])) / "
+                   f"sum by (stage) (rate({STAGE}_count{{{sel}}}[{w}]))", "{{stage}}"),
+        ), threshold=ttft_s, tier=tier, stacked=True,
+              description="Mean seconds per request in each stage from the front door's arrival "
+                          "stamp (docs/OBSERVABILITY.md); the stack up to relay is the mean TTFT."),
+        Panel(f"{tier}: stage p95", "s", (
+            Target(f"histogram_quantile(0.95, sum by (le, stage) (rate({STAGE}_bucket{{{sel}}}[{w}])))",
+                   "{{stage}}"),
+        ), threshold=ttft_s, tier=tier,
+              description="95th percentile of each stage on its own (the tails do not add up)."),
     ]
 
 
@@ -175,6 +190,19 @@ def capacity_board(cfg: AppConfig) -> Board:
                 Target("sum by (deployment) (ray_serve_deployment_queued_queries)", "{{deployment}}"),)),
         ]),
         ("Ongoing requests", ongoing),
+        ("Front end: event loops and CPU", [
+            Panel("Event-loop lag (worst in 5 s)", "s", (
+                Target(f"max by (kind, deployment) ({LOOP_LAG})", "{{kind}} {{deployment}}"),),
+                  description="How late a periodic 0.25 s sleep woke on each replica's event loop: "
+                              "every request on that loop waited as long."),
+            Panel("CPU per 1,000 completion tokens", "s", (
+                Target(f"sum by (kind) (rate({CPU}[{RATE}])) / "
+                       f'(sum(rate({TOKENS}{{type="completion"}}[{RATE}])) / 1000)', "{{kind}}"),),
+                  description="CPU seconds of the gateway and the model replicas' processes per "
+                              "1,000 tokens generated: the front end's cost per token."),
+            Panel("CPU cores used", "short", (
+                Target(f"sum by (kind, deployment) (rate({CPU}[{RATE}]))", "{{kind}} {{deployment}}"),)),
+        ]),
     ])
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ray.util.metrics import Counter, Histogram
+from ray.util.metrics import Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from serve_app.config import AppConfig
@@ -25,6 +25,13 @@ RAY_PREFIX = "ray_"  # what Ray's metrics agent puts in front of every applicati
 KEY_LABELS = ("key_id", "tier", "model")
 LATENCY_BUCKETS_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 TPOT_BUCKETS_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2]
+# Stages run from under a millisecond (parse and auth) to seconds (a queue under load). Eleven
+# boundaries keep the series bounded: tiers x models x 7 stages x 13 per gateway replica.
+STAGE_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10]
+# Who a process metric is about: kind (gateway, model, haproxy, ...), the Ray Serve deployment and
+# replica (bounded by each deployment's max_replicas; Ray drops its own WorkerId label, so without
+# the replica two processes' gauges would overwrite each other).
+PROCESS_LABELS = ("kind", "deployment", "replica")
 # The HTTP status a rejection is answered with, so requests_total counts every admitted-or-refused
 # request by status.
 REJECTION_STATUS = {"rate_limit": 429, "shed": 503, "backpressure": 503}
@@ -46,6 +53,15 @@ METRICS: dict[str, dict[str, Any]] = {
                      "help": "Time to first token, measured at the gateway."},
     "tpot_seconds": {"kind": "histogram", "labels": ("tier", "model"), "buckets": TPOT_BUCKETS_S,
                      "help": "Time per output token after the first, measured at the gateway."},
+    "stage_seconds": {"kind": "histogram", "labels": ("tier", "model", "stage"),
+                      "buckets": STAGE_BUCKETS_S,
+                      "help": "Time a request spent in one stage, from its arrival at the front "
+                              "door (serve_app.gateway.timing.STAGES)."},
+    "event_loop_lag_seconds": {"kind": "gauge", "labels": PROCESS_LABELS,
+                               "help": "Longest lateness of the process's asyncio event loop in "
+                                       "the last report window (a periodic sleep's late wake-up)."},
+    "process_cpu_seconds_total": {"kind": "counter", "labels": PROCESS_LABELS,
+                                  "help": "CPU seconds (user + system) used by the process."},
 }
 
 # vLLM 0.32's engine metrics as RayPrometheusStatLogger exports them: vLLM's "vllm:" becomes
@@ -109,6 +125,18 @@ def objective_buckets(cfg: AppConfig | None) -> tuple[list[float], list[float]]:
     return ttft, tpot
 
 
+def _made(name: str, boundaries: list[float] | None = None) -> Any:
+    """The Ray metric object for ``METRICS[name]`` (``boundaries`` replace a histogram's own)."""
+    m = METRICS[name]
+    if m["kind"] == "counter":
+        return Counter(PREFIX + name, description=m["help"], tag_keys=m["labels"])
+    if m["kind"] == "gauge":
+        return Gauge(PREFIX + name, description=m["help"], tag_keys=m["labels"])
+    return Histogram(PREFIX + name, description=m["help"],
+                     boundaries=boundaries if boundaries is not None else m["buckets"],
+                     tag_keys=m["labels"])
+
+
 @dataclass
 class GatewayMetrics:
     """The gateway's metric objects; ``inc``/``observe`` take label dicts."""
@@ -128,11 +156,7 @@ class GatewayMetrics:
         buckets = {"ttft_seconds": ttft_buckets, "tpot_seconds": tpot_buckets}
 
         def make(name: str) -> Any:
-            m = METRICS[name]
-            if m["kind"] == "counter":
-                return Counter(PREFIX + name, description=m["help"], tag_keys=m["labels"])
-            return Histogram(PREFIX + name, description=m["help"], boundaries=buckets[name],
-                             tag_keys=m["labels"])
+            return _made(name, buckets.get(name))
 
         return cls(
             requests=make("requests_total"),
@@ -179,3 +203,38 @@ class GatewayMetrics:
         tags = {"key_id": key_id, "tier": tier, "model": model}
         self.rejections.inc(1, tags={**tags, "reason": reason})
         self.requests.inc(1, tags={**tags, "status": str(REJECTION_STATUS.get(reason, 503))})
+
+
+@dataclass
+class StageMetrics:
+    """The per-stage histogram (``serve_app.gateway.timing.StageClock.observe`` feeds it)."""
+
+    stages: Histogram
+
+    @classmethod
+    def create(cls) -> StageMetrics:
+        return cls(stages=_made("stage_seconds"))
+
+    def stage_finished(self, *, tier: str, model: str, stage: str, seconds: float) -> None:
+        self.stages.observe(seconds, tags={"tier": tier, "model": model, "stage": stage})
+
+
+@dataclass
+class ProcessMetrics:
+    """One process's event-loop lag and CPU time (``serve_app.procwatch.LoopWatch`` feeds it)."""
+
+    loop_lag: Gauge
+    cpu: Counter
+    tags: dict[str, str]
+
+    @classmethod
+    def create(cls, *, kind: str, deployment: str, replica: str) -> ProcessMetrics:
+        return cls(loop_lag=_made("event_loop_lag_seconds"), cpu=_made("process_cpu_seconds_total"),
+                   tags={"kind": kind, "deployment": deployment, "replica": replica})
+
+    def loop_lag_seen(self, seconds: float) -> None:
+        self.loop_lag.set(seconds, tags=self.tags)
+
+    def cpu_used(self, seconds: float) -> None:
+        if seconds > 0:
+            self.cpu.inc(seconds, tags=self.tags)

@@ -80,6 +80,15 @@ _ERRORS: dict[int, tuple[str, str, str]] = {
     504: ("Gateway Timeout", "timeout", "The gateway replica did not answer in time."),
 }
 RETRY_AFTER_S = 1  # on HAProxy's own 502/503/504: a gateway replica restarts within seconds
+# Each request's arrival, in microseconds since the epoch, for the gateway's clocks (TTFT and every
+# stage start here). HAProxy 2.8 evaluates date() when it has read the request head; it has no
+# per-request accept date (accept_date()/request_date() came later, and %Ts%ms is the connection's,
+# which on a keep-alive connection includes the client's idle time). A client's own header goes
+# first; only a caller that reaches a gateway replica's loopback port directly bypasses this.
+ARRIVAL_STAMP = (
+    "http-request del-header X-Request-Start",
+    "http-request set-header X-Request-Start t=%[date(0,us)]",
+)
 
 
 def error_json(status: int) -> bytes:
@@ -112,6 +121,8 @@ def write_error_files(errors_dir: Path) -> None:
                 *(f"    errorfile {s} {errors_dir}/{s}.http" for s in _ERRORS)]
     (errors_dir / "defaults.cfg").write_text("\n".join(defaults) + "\n")
     frontend = [
+        f"    {MARK}: arrival stamp (serve_app.gateway.timing), never the client's own",
+        *(f"    {line}" for line in ARRIVAL_STAMP),
         f"    {MARK}: methods the gateway does not serve (uvicorn would answer them in plain text)",
         "    acl serve_app_method method " + " ".join(ALLOWED_METHODS),
         f"    http-request return status 405 content-type application/json file {errors_dir}/405.json "

@@ -83,7 +83,7 @@ def test_every_metric_a_dashboard_or_alert_reads_is_declared() -> None:
     # every gateway metric is on a dashboard
     assert {n for n in declared if n.startswith("ray_serve_app_") and not n.endswith(("_sum",))} - used <= {
         "ray_serve_app_slo_misses_total", "ray_serve_app_tokens_total",
-        "ray_serve_app_ttft_seconds", "ray_serve_app_tpot_seconds"}
+        "ray_serve_app_ttft_seconds", "ray_serve_app_tpot_seconds", "ray_serve_app_stage_seconds"}
 
 
 def test_each_tier_has_its_objectives_as_thresholds() -> None:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
+from serve_app.gateway.timing import arrival_from_headers
 from serve_app.local import front_door
 
 # The listeners of Ray Serve's HAProxy template (ray/serve/_private/haproxy_templates.py).
@@ -145,3 +149,50 @@ def test_wrapper_adds_timeout_error_files_and_method_rules_that_haproxy_accepts(
 def test_replica_grpc_limit_is_raised_with_haproxy(tmp_path: Path) -> None:
     env = front_door.haproxy_env(tmp_path, "127.0.0.1", "/bin/true")
     assert int(env["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]) == 64 * 2**20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_haproxy_stamps_each_request_on_arrival_and_drops_the_clients_stamp(tmp_path: Path) -> None:
+    # The backend answers from HAProxy itself with what it received: how many stamps, and the stamp.
+    echo = ('http-request return status 200 content-type text/plain '
+            'lf-string "%[req.hdr_cnt(X-Request-Start)] %[req.hdr(X-Request-Start)]"')
+    port = _free_port()
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(RAY_TEMPLATE_LIKE.format(d=tmp_path)
+                   .replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+                   .replace("server s1 127.0.0.1:8001", echo)
+                   .replace("*:8404", f"*:{_free_port()}"))
+    (tmp_path / "500.http").write_text("HTTP/1.1 500 x\r\nContent-Length: 0\r\n\r\n")
+    env = front_door.haproxy_env(tmp_path / "run", "127.0.0.1", front_door.haproxy_binary())
+    proc = subprocess.Popen([env["RAY_SERVE_HAPROXY_BINARY_PATH"], "-db", "-f", str(cfg)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    answers = []
+    try:
+        for _ in range(100):
+            try:
+                conn.connect()
+                break
+            except OSError:
+                conn.close()
+                time.sleep(0.05)
+        for _ in range(2):  # one keep-alive connection: each request gets its own stamp
+            sent = time.time()
+            conn.request("GET", "/v1/models", headers={"X-Request-Start": "t=1"})
+            answers.append((sent, conn.getresponse().read().decode()))
+            time.sleep(0.3)
+    finally:
+        conn.close()
+        proc.kill()
+        proc.wait()
+    for sent, answer in answers:
+        count, stamp = answer.split(" ")
+        assert count == "1" and stamp.startswith("t=") and len(stamp) == 18  # microseconds
+        arrival = arrival_from_headers({"x-request-start": stamp}, time.time())
+        assert arrival is not None and sent - 0.01 <= arrival <= sent + 0.25
