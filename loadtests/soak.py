@@ -154,8 +154,7 @@ def run(base_url: str, keys: dict[str, str], root_pid: int, *, minutes: float,
     env = Environment(user_classes=classes)
     runner = env.create_local_runner()
     # Each tier gets its share of users (at least one).
-    counts = {c.tier: max(1, users // len(classes)) for c in classes}
-    runner.start(sum(counts.values()), spawn_rate=10, user_classes=None)
+    runner.start(len(classes) * max(1, users // len(classes)), spawn_rate=10, user_classes=None)
     kills: list[dict[str, Any]] = []
     t0 = time.monotonic()
     end = t0 + minutes * 60
