@@ -43,7 +43,7 @@ def _clients_available() -> None:
 
 def _agent_key(stack: Any, name: str) -> str:
     secret = create_key(stack.keys_file, name, "premium", ["*"])
-    time.sleep(2.5)  # gateways re-read the keys file within keys_reload_interval_s (1 s)
+    stack.wait_keys(accepted=[secret])  # every gateway replica has re-read the keys file
     return secret
 
 

@@ -68,7 +68,7 @@ def load(stack, prom: Prometheus, tmp_path_factory: pytest.TempPathFactory) -> d
     for tier in TIERS:
         env[f"SERVE_APP_KEY_{tier.upper()}"] = create_key(stack.keys_file, f"obs-{tier}", tier, ["*"])
     limited = create_key(stack.keys_file, "obs-limited", "batch", ["*"], limits={"rpm": 1})
-    time.sleep(1.5)  # the gateway replicas re-read the keys file within 1 s
+    stack.wait_keys(accepted=[*(env[f"SERVE_APP_KEY_{t.upper()}"] for t in TIERS), limited])
     statuses = []
     with httpx.Client(base_url=stack.base_url, timeout=60) as c:
         prompt = "The quick brown fox jumps over the lazy dog. " * 30
