@@ -185,6 +185,7 @@ def _user_classes(environment: Environment) -> list[type[TierUser]]:
 @events.test_start.add_listener
 def _on_start(environment: Environment, **_: Any) -> None:
     opts = environment.parsed_options
+    assert opts is not None, "the locustfile runs under locust's command line"
     STATE.load(opts)
     mix = _parse_mix(opts.mix)
     STATE.active = set()
@@ -302,12 +303,14 @@ def _on_init(environment: Environment, **_: Any) -> None:
     if not environment.web_ui:
         return
     web = environment.web_ui
+    app = web.app
+    assert app is not None  # locust creates the Flask app with the web UI
     web.template_args["extended_tabs"] = [{"title": "SLA", "key": SLA_TAB}]
     web.template_args["extended_tables"] = [
         {"key": SLA_TAB, "structure": [{"key": k, "title": t} for k, t in _COLUMNS]}
     ]
 
-    @web.app.after_request
+    @app.after_request
     def _extend_stats(response: Any) -> Any:
         # The UI polls /stats/requests; its "extended_stats" feed the extra tab's table.
         if flask_request.path != "/stats/requests" or response.status_code != 200:
@@ -317,6 +320,6 @@ def _on_init(environment: Environment, **_: Any) -> None:
         response.set_data(json.dumps(data))
         return response
 
-    @web.app.route("/sla")
+    @app.route("/sla")
     def _sla_json() -> Any:
         return {"tiers": [r.as_dict() for r in tier_results(environment)]}

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 from openai import OpenAI
 
-from loadtests.sweep import APP_NAME, MemorySampler
+from loadtests.sweep import MemorySampler
+from serve_app.config import APP_NAME
 
 
 def app_pid() -> int:

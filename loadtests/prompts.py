@@ -18,6 +18,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DEFAULT_PATH = Path(__file__).resolve().parent / "data" / "prompts.jsonl"
 DEFAULT_SEED = 20260
@@ -73,7 +74,7 @@ def write_jsonl(prompts: list[Prompt], path: Path) -> None:
             f.write(json.dumps({"prompt": p.text, "max_tokens": p.max_tokens}) + "\n")
 
 
-def _from_sharegpt(doc: list[dict], max_output: int) -> list[Prompt]:
+def _from_sharegpt(doc: list[dict[str, Any]], max_output: int) -> list[Prompt]:
     prompts = []
     for item in doc:
         turns = item.get("conversations") or []

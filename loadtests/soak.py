@@ -30,6 +30,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -84,6 +85,27 @@ def check(report: dict[str, Any], max_tokens: int) -> list[str]:
     if report["kills"] == 0:
         problems.append("no replica was killed")
     return problems
+
+
+Usage = dict[str, dict[str, Any]]  # tier -> that key's GET /v1/usage
+
+
+def settled_usage(read: Callable[[], Usage], booked: Callable[[Usage], bool],
+                  sleep: Callable[[float], object], clock: Callable[[], float] = time.monotonic,
+                  *, quiet_s: float = 5.0, timeout_s: float = 60.0, poll_s: float = 0.25) -> Usage:
+    """The usage once the gateway has booked every request: the gateway closes a request's books
+    just after its answer, so the first reading may lag the client. Returns as soon as ``booked``
+    says the reading accounts for what the client saw; otherwise once the reading has stayed the
+    same for ``quiet_s`` (nothing more is coming: the verdict then names the difference), and at
+    ``timeout_s`` at most."""
+    start = last_change = clock()
+    reading = read()
+    while not booked(reading) and clock() - last_change < quiet_s and clock() - start < timeout_s:
+        sleep(poll_s)
+        again = read()
+        if again != reading:
+            reading, last_change = again, clock()
+    return reading
 
 
 def run(base_url: str, keys: dict[str, str], root_pid: int, *, minutes: float,
@@ -154,8 +176,7 @@ def run(base_url: str, keys: dict[str, str], root_pid: int, *, minutes: float,
     env = Environment(user_classes=classes)
     runner = env.create_local_runner()
     # Each tier gets its share of users (at least one).
-    counts = {c.tier: max(1, users // len(classes)) for c in classes}
-    runner.start(sum(counts.values()), spawn_rate=10, user_classes=None)
+    runner.start(len(classes) * max(1, users // len(classes)), spawn_rate=10, user_classes=None)
     kills: list[dict[str, Any]] = []
     t0 = time.monotonic()
     end = t0 + minutes * 60
@@ -175,8 +196,16 @@ def run(base_url: str, keys: dict[str, str], root_pid: int, *, minutes: float,
     while flow["in_flight"] and time.monotonic() < drain_end:
         gevent.sleep(0.2)
     runner.quit()
-    gevent.sleep(3.0)  # the gateway closes each request's ledger just after its answer
-    after = {tier: usage(secret) for tier, secret in keys.items()}
+
+    def booked(after: Usage) -> bool:
+        return all(
+            after[t]["requests"] - before[t]["requests"] == len(rs)
+            and after[t]["completion_tokens"] - before[t]["completion_tokens"]
+            >= sum(n for k, n, _ in rs if k == "completed")
+            for t, rs in results.items())
+
+    after = settled_usage(lambda: {tier: usage(secret) for tier, secret in keys.items()}, booked,
+                          gevent.sleep)
     report: dict[str, Any] = {"minutes": minutes, "kills": len(kills), "kill_times": kills,
                               "tiers": {}}
     for tier, rs in results.items():

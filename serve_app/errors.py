@@ -44,64 +44,92 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
 
 
 class InvalidRequest(ServeAppError):
+    """The request itself is wrong (body, parameter, value): the client must change it, a retry
+    as is fails again. ``param`` names the field when one is to blame."""
+
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
 
 
 class ContextLengthExceeded(InvalidRequest):
+    """The prompt plus ``max_tokens`` does not fit the model's context. A code of its own (OpenAI's),
+    because clients act on it differently from other 400s: they shorten the prompt."""
+
     code = "context_length_exceeded"
 
 
 class AuthenticationFailed(ServeAppError):
+    """No key, or a key that is unknown or revoked. The message never echoes the key sent."""
+
     status = 401
     type = "invalid_request_error"
     code = "invalid_api_key"
 
 
 class PermissionDenied(ServeAppError):
+    """A 403 from below (an engine or Starlette) in the OpenAI envelope. The gateway itself answers
+    a key that may not use a model with ``ModelNotFound``, so the key learns nothing more."""
+
     status = 403
     type = "invalid_request_error"
     code = "permission_denied"
 
 
 class ModelNotFound(ServeAppError):
+    """No model or alias of that name, or none this key may see (the two are not told apart, so a
+    key cannot probe for models it has no access to)."""
+
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
 
 
 class NotFound(ServeAppError):
+    """A path that is not served (Starlette's or an engine's 404, in the OpenAI envelope)."""
+
     status = 404
     type = "invalid_request_error"
     code = "not_found"
 
 
 class MethodNotAllowed(ServeAppError):
+    """A known path called with the wrong HTTP method."""
+
     status = 405
     type = "invalid_request_error"
     code = "method_not_allowed"
 
 
 class PayloadTooLarge(ServeAppError):
+    """The body is over ``gateway.max_body_bytes``; refused before it is parsed."""
+
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
 
 
 class UnsupportedMediaType(ServeAppError):
+    """A body that is not sent as ``application/json``."""
+
     status = 415
     type = "invalid_request_error"
     code = "unsupported_media_type"
 
 
 class RateLimited(ServeAppError):
+    """A key or tier limit (requests or tokens per minute, concurrency) refused the request; it
+    carries ``Retry-After`` for when the limit allows it again."""
+
     status = 429
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
 
 
 class InternalError(ServeAppError):
+    """A failure of ours with no better status; the message is generic so that nothing internal
+    (paths, exception text) reaches the client."""
+
     status = 500
     type = "server_error"
     code = "internal_error"
@@ -136,6 +164,9 @@ class AnswerBroken(ServeAppError):
 
 
 class GatewayTimeout(ServeAppError):
+    """The model did not answer within ``gateway.request_timeout_s`` (every await on an engine is
+    bounded)."""
+
     status = 504
     type = "server_error"
     code = "timeout"

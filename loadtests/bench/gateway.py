@@ -81,7 +81,7 @@ def synthetic_edit(replicas: int, tokens_per_s: float, ttft_ms: float) -> harnes
 
 
 def stream_duration_s(ns: argparse.Namespace) -> float:
-    return ns.ttft_ms / 1000.0 + (ns.output_len - 1) / ns.tokens_per_s
+    return float(ns.ttft_ms / 1000.0 + (ns.output_len - 1) / ns.tokens_per_s)
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -43,7 +43,7 @@ def main(spec_path: str) -> int:
             if state.endswith("RUNNING"):
                 break
             if state.endswith(("DEPLOY_FAILED", "UNHEALTHY")):
-                print(f"Ray Serve LLM failed: {status.message[-2000:]}", flush=True)
+                print(f"Ray Serve LLM failed: {getattr(status, 'message', '')[-2000:]}", flush=True)
                 return 1
             stop.wait(2.0)
         if not stop.is_set():
@@ -52,7 +52,7 @@ def main(spec_path: str) -> int:
         stop.wait()
     finally:
         try:
-            serve.shutdown()
+            serve.shutdown()  # type: ignore[no-untyped-call]  # untyped in Ray
         finally:
             ray.shutdown()
     return 0

@@ -9,6 +9,7 @@ caller sets ``RAY_AUTH_MODE=token`` for us.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 from serve_app.config import APP_NAME
@@ -18,7 +19,7 @@ def main(address: str) -> int:
     import ray
     from ray import serve
 
-    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
     try:
         diag = serve.get_deployment_handle("gateway", app_name=APP_NAME).diagnostics.remote()
         print(json.dumps(diag.result(timeout_s=30)), flush=True)

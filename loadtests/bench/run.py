@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -281,6 +282,10 @@ def start_servers(ns: argparse.Namespace, config: Path, cfg: Any, model: Any, wo
     return sides, ray_address, model_path
 
 
+def _answers(url: str) -> bool:
+    return harness.http_status(url) == 200
+
+
 def start_peers(ns: argparse.Namespace, model_id: str, args: dict[str, Any], direct: Proc,
                 direct_url: str, workdir: Path, started: list[Proc]) -> dict[str, tuple[str, None, Any]]:
     """Start the peers (each from its own venv) and wait until each answers a chat request.
@@ -302,7 +307,7 @@ def start_peers(ns: argparse.Namespace, model_id: str, args: dict[str, Any], dir
         else:
             proc = peers.start_litellm(venvs[side], workdir, port, model_id, direct_url, dict(os.environ))
             say(f"starting the LiteLLM proxy {peers.LITELLM_VERSION} on {url} (log {proc.log})")
-            waits.append((side, proc, lambda u=url: harness.http_status(f"{u}/health/liveliness") == 200, url))
+            waits.append((side, proc, functools.partial(_answers, f"{url}/health/liveliness"), url))
             out[side] = (url, None, [proc.pid, direct.pid])
         started.append(proc)
     for side, proc, ready_fn, url in waits:

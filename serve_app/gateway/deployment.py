@@ -87,5 +87,9 @@ class Gateway:
             },
         }
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Ray Serve calls this when it stops the replica: the status thread ends and the Redis
+        clients give their connections back."""
         self.replicas.stop()
+        await self.admission.backend.close()
+        await self.deps.usage.store.close()

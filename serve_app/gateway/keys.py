@@ -7,6 +7,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, UTC
 from pathlib import Path
 
@@ -110,16 +111,20 @@ def revoke_key(path: Path, key_id: str) -> None:
 
 
 class KeyStore:
-    """Looks keys up by digest; re-reads the file when it changes (checked at most every interval)."""
+    """Looks keys up by digest; re-reads the file when it changes (checked at most every interval).
 
-    def __init__(self, path: Path, reload_interval_s: float = 1.0) -> None:
+    ``clock`` is injected so that a test can step past the interval instead of sleeping it out."""
+
+    def __init__(self, path: Path, reload_interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
         self.reload_interval_s = reload_interval_s
+        self.clock = clock
         self._by_digest: dict[str, KeyRecord] = {}
         self._stamp: tuple[int, int, int] | None = None
-        self._checked = 0.0
         self._lock = threading.Lock()
         self._reload(force=True)
+        self._checked = clock()
 
     def _file_stamp(self) -> tuple[int, int, int] | None:
         try:
@@ -147,15 +152,15 @@ class KeyStore:
             logger.info("loaded %d active keys from %s", len(self._by_digest), self.path)
 
     def maybe_reload(self) -> None:
-        if time.monotonic() - self._checked < self.reload_interval_s:
+        if self.clock() - self._checked < self.reload_interval_s:
             return
         with self._lock:
             # Another caller may have reloaded while this one waited for the lock. The stamp is
             # only advanced after the reload, so nobody skips ahead with the old keys.
-            if time.monotonic() - self._checked < self.reload_interval_s:
+            if self.clock() - self._checked < self.reload_interval_s:
                 return
             self._reload()
-            self._checked = time.monotonic()
+            self._checked = self.clock()
 
     def lookup(self, secret: str) -> KeyRecord | None:
         self.maybe_reload()

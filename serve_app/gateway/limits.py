@@ -41,6 +41,11 @@ class Verdict:
 
 
 class LimitBackend(Protocol):
+    """Where the limit counters live: ``admit`` charges every counter or none (the verdict says
+    which limit refused and when to retry), ``refund`` gives back what an unfinished request did not
+    use, and ``close`` releases the backend's connections when the gateway replica shuts down
+    (Gateway.__del__)."""
+
     async def admit(self, charges: list[Charge], now: float) -> Verdict: ...
     async def refund(self, charges: list[Charge], now: float) -> None: ...
     async def close(self) -> None: ...

@@ -18,8 +18,12 @@ logger = logging.getLogger("ray.serve")
 
 
 class UsageStore(Protocol):
+    """Per-key totals: ``add`` increments fields, ``get`` reads them all; ``close`` releases the
+    store's connections when the gateway replica shuts down (Gateway.__del__)."""
+
     async def add(self, key_id: str, fields: dict[str, int]) -> None: ...
     async def get(self, key_id: str) -> dict[str, int]: ...
+    async def close(self) -> None: ...
 
 
 class MemoryUsageStore:
@@ -32,6 +36,9 @@ class MemoryUsageStore:
 
     async def get(self, key_id: str) -> dict[str, int]:
         return dict(self._totals.get(key_id, {}))
+
+    async def close(self) -> None:
+        return None
 
 
 class RedisUsageStore:
@@ -50,6 +57,9 @@ class RedisUsageStore:
     async def get(self, key_id: str) -> dict[str, int]:
         raw = await self._redis.hgetall(self._prefix + key_id)
         return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
+
+    async def close(self) -> None:
+        await self._redis.aclose()
 
 
 class Usage:

@@ -1,7 +1,8 @@
-"""A short soak (marker ``soak``, deselected by default; ``pytest -m soak`` runs it, ~3 min):
-mixed-tier locust load on the session stack with the chat model's replica killed once. Every
-request completes, ends with an error event, or gets 503/429 with Retry-After, and each key's
-/v1/usage matches what the client counted. The long run is ``python -m loadtests.soak``."""
+"""A short soak, part of every run (CI included; about 2.5 min): mixed-tier locust load on the
+session stack for 2 minutes with the chat model's replica killed once, 30 s in. Every request
+completes, ends with an error event, or gets 503/429 with Retry-After, and each key's /v1/usage
+matches what the client counted. Marked ``soak`` so it runs after the fault tests
+(tests/conftest.py); the long run is ``python -m loadtests.soak --minutes 10``."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_soak_with_a_replica_kill(stack, tmp_path: Path) -> None:
     stack.wait_keys(accepted=list(keys.values()))
     out = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "loadtests.soak", "--minutes", "2.5", "--kill-every", "120",
+        [sys.executable, "-m", "loadtests.soak", "--minutes", "2", "--kill-every", "120",
          "--users", "6", "--base-url", stack.base_url, "--root-pid", str(stack.proc.pid),
          "--keys", ",".join(f"{t}={s}" for t, s in keys.items()), "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,

@@ -20,6 +20,7 @@ from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.keys import KeyStore, create_key, revoke_key
 from serve_app.gateway.routing import Router
 from serve_app.protocol import SSE_DONE, head
+from tests.unit.fakes import Call, FakeHandle, FakeStream, StepClock
 
 MAX_BODY = 2048
 ERROR_FIELDS = {"message", "type", "param", "code"}
@@ -27,54 +28,16 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 OK_BODY = b'{"object": "fake"}'
 
 
-class FakeStream:
-    """Stands in for Ray Serve's DeploymentResponseGenerator (``__anext__`` and ``cancel``)."""
-
-    def __init__(self, items: list[Any]) -> None:
-        self.items = items
-
-    async def __anext__(self) -> Any:
-        if not self.items:
-            raise StopAsyncIteration
-        item = self.items.pop(0)
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def cancel(self) -> None:
-        self.items = []
-
-
 class FakeModels:
-    """Fake deployment handles for every model: record each call, answer with ``self.items``."""
+    """Fake deployment handles for every model: one call log in order, each call answered with
+    ``self.items``."""
 
     def __init__(self) -> None:
-        self.calls: list[dict[str, Any]] = []
+        self.calls: list[Call] = []
         self.items: list[Any] = [head(200, OK_BODY)]
 
-    def handle(self, model_id: str) -> Any:
-        models = self
-
-        class _Method:
-            def __init__(self, method: str) -> None:
-                self.method = method
-
-            def remote(self, endpoint: str, body: dict[str, Any], ctx: dict[str, Any]) -> FakeStream:
-                assert self.method == "handle"  # the model deployment's one entry point
-                models.calls.append(
-                    {"model_id": model_id, "method": endpoint, "body": body, "ctx": ctx}
-                )
-                return FakeStream(list(models.items))
-
-        class _Handle:
-            def options(self, **kw: Any) -> _Handle:
-                assert kw == {"stream": True}
-                return self
-
-            def __getattr__(self, method: str) -> _Method:
-                return _Method(method)
-
-        return _Handle()
+    def handle(self, model_id: str) -> FakeHandle:
+        return FakeHandle(lambda: FakeStream(self.items), model_id, self.calls)
 
 
 def _gateway_deps(app_config: dict[str, Any], handles: dict[str, Any]) -> GatewayDeps:
@@ -107,7 +70,7 @@ class Env:
             ],
             "gateway": {
                 "keys_file": str(self.keys_file),
-                "keys_reload_interval_s": 0.01,
+                "keys_reload_interval_s": 1.0,
                 "max_body_bytes": MAX_BODY,
                 "request_timeout_s": 30,
                 "retry_after_s": 3,
@@ -120,6 +83,8 @@ class Env:
         # Real KeyStore, Router and Forwarder; only the model deployments are fake.
         assert isinstance(deps.keys, KeyStore) and isinstance(deps.router, Router)
         assert isinstance(deps.pipeline.forwarder, Forwarder)
+        self.keys_clock = StepClock()  # the same KeyStore, on a clock the test steps
+        deps.keys = KeyStore(deps.keys.path, deps.keys.reload_interval_s, clock=self.keys_clock)
         self.client = TestClient(build_api(deps), raise_server_exceptions=False)
 
     def post(self, path: str, body: Any = None, key: str | None = None, **kw: Any) -> httpx.Response:
@@ -195,7 +160,7 @@ def test_revoked_key_is_401(env: Env) -> None:
 def test_revocation_applies_without_restart(env: Env) -> None:
     assert env.post("/v1/chat/completions", CHAT, key=env.chat_key).status_code == 200
     revoke_key(env.keys_file, "chat-only")
-    time.sleep(0.05)
+    env.keys_clock.step(1.0)
     _error(env.post("/v1/chat/completions", CHAT, key=env.chat_key), 401, "invalid_api_key")
 
 
@@ -328,9 +293,9 @@ def test_alias_is_forwarded_to_its_model_with_context(env: Env) -> None:
     assert resp.status_code == 200
     assert resp.headers["x-served-by"] == "tiny-chat"
     (call,) = env.models.calls
-    assert (call["model_id"], call["method"]) == ("tiny-chat", "chat")
-    assert call["body"] == CHAT  # the body reaches the model unchanged
-    ctx = call["ctx"]  # plain data crosses the handle
+    assert (call.model_id, call.endpoint) == ("tiny-chat", "chat")
+    assert call.body == CHAT  # the body reaches the model unchanged
+    ctx = call.ctx  # plain data crosses the handle
     assert (ctx["key_id"], ctx["tier"], ctx["priority"]) == ("all", "premium", 5)
     assert t0 + 29 < ctx["deadline"] < time.time() + 31
     assert resp.content == OK_BODY
@@ -345,7 +310,7 @@ def test_alias_is_forwarded_to_its_model_with_context(env: Env) -> None:
 )
 def test_each_endpoint_calls_its_method(env: Env, path: str, body: dict[str, Any], method: str) -> None:
     assert env.post(path, body, key=env.all_key).status_code == 200
-    assert env.models.calls[0]["method"] == method
+    assert env.models.calls[0].endpoint == method
 
 
 def test_unexpected_error_is_500_without_details(env: Env) -> None:

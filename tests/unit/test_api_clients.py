@@ -40,8 +40,8 @@ def test_messages_reach_the_model_with_anthropic_headers(env: Env) -> None:
         "anthropic-beta": "claude-code-20250219"})
     assert r.status_code == 200, r.text
     call = env.models.calls[0]
-    assert call["method"] == "messages" and call["body"]["max_tokens"] == 8
-    assert call["ctx"]["key_id"] == "chat-only"
+    assert call.endpoint == "messages" and call.body["max_tokens"] == 8
+    assert call.ctx["key_id"] == "chat-only"
 
 
 def test_openai_routes_keep_openais_envelope(env: Env) -> None:
@@ -64,7 +64,7 @@ def test_responses_refuses_server_side_state(env: Env, extra: dict, param: str) 
 def test_responses_stateless_is_forwarded(env: Env) -> None:
     r = env.post("/v1/responses", {"model": "tiny", "input": "hi", "store": False}, key=env.all_key)
     assert r.status_code == 200, r.text
-    assert env.models.calls[0]["model_id"] == "tiny-chat"
+    assert env.models.calls[0].model_id == "tiny-chat"
 
 
 def test_root_answers_get_and_head_without_a_key(env: Env) -> None:

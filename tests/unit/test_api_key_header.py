@@ -42,7 +42,7 @@ def test_request_key(headers: dict[str, str], key: str | None) -> None:
 def test_x_api_key_is_accepted(env: Env) -> None:
     resp = env.post("/v1/chat/completions", CHAT, headers={"x-api-key": env.chat_key})
     assert resp.status_code == 200, resp.text
-    assert env.models.calls[0]["ctx"]["key_id"] == "chat-only"
+    assert env.models.calls[0].ctx["key_id"] == "chat-only"
     models = env.client.get("/v1/models", headers={"x-api-key": env.all_key})
     assert models.status_code == 200 and models.json()["data"]
 

@@ -142,6 +142,7 @@ def test_warnings_reach_the_file_at_once_while_info_stays_buffered(tmp_path: Pat
     finally:
         log.removeHandler(buffered)
         buffered.close()
+        target.close()
 
 
 # ---- local redis ------------------------------------------------------------------------------

@@ -31,61 +31,7 @@ from serve_app.protocol import (
     tokens_of,
     trailer,
 )
-
-HANG = object()  # __anext__ never returns
-
-
-class FakeGen:
-    """Stands in for a DeploymentResponseGenerator: items, exceptions to raise, or HANG."""
-
-    def __init__(self, items: list[Any]) -> None:
-        self.items = list(items)
-        self.cancelled = False
-
-    async def __anext__(self) -> Any:
-        if not self.items:
-            raise StopAsyncIteration
-        item = self.items.pop(0)
-        if item is HANG:
-            await asyncio.Event().wait()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class _Method:
-    def __init__(self, owner: FakeHandle, name: str) -> None:
-        self.owner, self.name = owner, name
-
-    def remote(self, endpoint: str, body: dict[str, Any], ctx: dict[str, Any]) -> FakeGen:
-        assert self.name == "handle"  # the model deployment's one entry point
-        self.owner.calls.append((endpoint, body, ctx))
-        return self.owner.gen
-
-
-class _StreamingHandle:
-    def __init__(self, owner: FakeHandle) -> None:
-        self.owner = owner
-
-    def __getattr__(self, name: str) -> _Method:
-        return _Method(self.owner, name)
-
-
-class FakeHandle:
-    def __init__(self, gen: FakeGen) -> None:
-        self.gen = gen
-        self.calls: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
-        self.options_calls: list[dict[str, Any]] = []
-
-    def options(self, **kw: Any) -> _StreamingHandle:
-        self.options_calls.append(kw)
-        if kw.get("stream") is not True:
-            raise AssertionError("the gateway must call model methods as streams")
-        return _StreamingHandle(self)
-
+from tests.unit.fakes import HANG, FakeHandle, FakeStream
 
 CTX = RequestContext(request_id="r1", key_id="k1", tier="standard", priority=3, deadline=0.0)
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
@@ -103,7 +49,7 @@ class FakeLedger:
         self.outcomes.append(out)
 
 
-def _forwarder(gen: FakeGen, **gw: Any) -> tuple[Forwarder, FakeHandle]:
+def _forwarder(gen: FakeStream, **gw: Any) -> tuple[Forwarder, FakeHandle]:
     handle = FakeHandle(gen)
     cfg = GatewayConfig(**{"retry_after_s": 7, **gw})
     return Forwarder({"tiny-chat": handle}, cfg), handle
@@ -147,10 +93,10 @@ async def _serve(resp: Response, disconnect_after: int | None = None) -> list[by
 
 # ---- before the first byte ---------------------------------------------------------------------
 def test_calls_the_named_method_with_plain_context() -> None:
-    fwd, handle = _forwarder(FakeGen([head(200, b"{}")]))
+    fwd, handle = _forwarder(FakeStream([head(200, b"{}")]))
     _run(_forward(fwd, "embeddings"))
     assert handle.options_calls == [{"stream": True}]
-    ((method, body, ctx),) = handle.calls
+    ((_, method, body, ctx),) = handle.calls
     assert method == "embeddings"
     assert body == BODY
     assert ctx == CTX.to_dict()
@@ -158,7 +104,7 @@ def test_calls_the_named_method_with_plain_context() -> None:
 
 
 def test_backpressure_is_503_with_retry_after() -> None:
-    gen = FakeGen([BackPressureError(num_queued_requests=10, max_queued_requests=10)])
+    gen = FakeStream([BackPressureError(num_queued_requests=10, max_queued_requests=10)])
     fwd, _ = _forwarder(gen)
     with pytest.raises(errors.ServiceUnavailable) as exc_info:
         _run(_forward(fwd))
@@ -178,7 +124,7 @@ def test_backpressure_is_503_with_retry_after() -> None:
     ids=["deployment-unavailable", "actor-died", "task-error"],
 )
 def test_unavailable_model_is_503(exc: Exception) -> None:
-    fwd, _ = _forwarder(FakeGen([exc]))
+    fwd, _ = _forwarder(FakeStream([exc]))
     with pytest.raises(errors.ServiceUnavailable) as exc_info:
         _run(_forward(fwd))
     assert exc_info.value.headers["Retry-After"] == "7"
@@ -186,14 +132,14 @@ def test_unavailable_model_is_503(exc: Exception) -> None:
 
 
 def test_no_answer_is_500() -> None:
-    fwd, _ = _forwarder(FakeGen([]))
+    fwd, _ = _forwarder(FakeStream([]))
     with pytest.raises(errors.InternalError) as exc_info:
         _run(_forward(fwd))
     assert exc_info.value.status == 500
 
 
 def test_no_first_byte_within_request_timeout_is_504_and_cancels() -> None:
-    gen = FakeGen([HANG])
+    gen = FakeStream([HANG])
     fwd, _ = _forwarder(gen, request_timeout_s=0.05)
     with pytest.raises(errors.GatewayTimeout) as exc_info:
         _run(_forward(fwd))
@@ -203,7 +149,7 @@ def test_no_first_byte_within_request_timeout_is_504_and_cancels() -> None:
 
 # ---- complete answers --------------------------------------------------------------------------
 def test_non_stream_head_becomes_plain_response() -> None:
-    gen = FakeGen([head(400, b'{"error": {"message": "bad"}}'), b"unexpected"])
+    gen = FakeStream([head(400, b'{"error": {"message": "bad"}}'), b"unexpected"])
     fwd, _ = _forwarder(gen)
     resp = _run(_forward(fwd))
     assert not isinstance(resp, StreamingResponse)
@@ -216,7 +162,7 @@ def test_non_stream_head_becomes_plain_response() -> None:
 
 # ---- streams -----------------------------------------------------------------------------------
 def test_stream_relays_first_bytes_then_chunks() -> None:
-    gen = FakeGen([head(200, b"data: 1\n\n", stream=True), (b"data: 2\n\n", 2),
+    gen = FakeStream([head(200, b"data: 1\n\n", stream=True), (b"data: 2\n\n", 2),
                    (b"data: 3\n\n" + SSE_DONE, 3)])
     fwd, _ = _forwarder(gen)
 
@@ -235,7 +181,7 @@ def test_stream_relays_first_bytes_then_chunks() -> None:
 
 
 def test_stream_trailer_is_not_relayed() -> None:
-    gen = FakeGen([head(200, b"data: 1\n\n", stream=True), (b"data: 2\n\n", 4), trailer(3, 4)])
+    gen = FakeStream([head(200, b"data: 1\n\n", stream=True), (b"data: 2\n\n", 4), trailer(3, 4)])
     fwd, _ = _forwarder(gen)
 
     async def scenario() -> bytes:
@@ -249,7 +195,7 @@ def _events(body: bytes) -> list[bytes]:
 
 
 def test_error_mid_stream_ends_with_error_event_and_done() -> None:
-    gen = FakeGen([head(200, b"data: 1\n\n", stream=True), (b"data: 2\n\n", 2), RayActorError()])
+    gen = FakeStream([head(200, b"data: 1\n\n", stream=True), (b"data: 2\n\n", 2), RayActorError()])
     fwd, _ = _forwarder(gen)
 
     async def scenario() -> bytes:
@@ -266,7 +212,7 @@ def test_error_mid_stream_ends_with_error_event_and_done() -> None:
 
 
 def test_stream_idle_timeout_ends_with_timeout_event() -> None:
-    gen = FakeGen([head(200, b"data: 1\n\n", stream=True), HANG])
+    gen = FakeStream([head(200, b"data: 1\n\n", stream=True), HANG])
     fwd, _ = _forwarder(gen, stream_idle_timeout_s=0.05)
 
     async def scenario() -> bytes:
@@ -280,7 +226,7 @@ def test_stream_idle_timeout_ends_with_timeout_event() -> None:
 
 
 def test_stream_idle_timeout_cancels_the_model_request() -> None:
-    gen = FakeGen([head(200, b"data: 1\n\n", stream=True), HANG])
+    gen = FakeStream([head(200, b"data: 1\n\n", stream=True), HANG])
     fwd, _ = _forwarder(gen, stream_idle_timeout_s=0.05)
 
     async def scenario() -> bytes:
@@ -291,7 +237,7 @@ def test_stream_idle_timeout_cancels_the_model_request() -> None:
 
 
 def test_client_disconnect_cancels_the_model_request() -> None:
-    gen = FakeGen([head(200, b"data: 1\n\n", stream=True), (b"data: 2\n\n", 2), HANG])
+    gen = FakeStream([head(200, b"data: 1\n\n", stream=True), (b"data: 2\n\n", 2), HANG])
     fwd, _ = _forwarder(gen)
 
     async def scenario() -> list[bytes]:
@@ -305,7 +251,7 @@ def test_client_disconnect_cancels_the_model_request() -> None:
 # ---- the ledger is closed once, with the engine's counts ----------------------------------------
 def test_complete_answer_closes_the_ledger_with_its_usage() -> None:
     ledger = FakeLedger()
-    fwd, _ = _forwarder(FakeGen([head(200, b"{}", tokens=tokens_of(5, 7))]))
+    fwd, _ = _forwarder(FakeStream([head(200, b"{}", tokens=tokens_of(5, 7))]))
     _run(_forward(fwd, ledger=ledger))
     assert [o.tokens for o in ledger.outcomes] == [tokens_of(5, 7)]
     assert ledger.outcomes[0].used_tokens == 12
@@ -313,14 +259,14 @@ def test_complete_answer_closes_the_ledger_with_its_usage() -> None:
 
 def test_error_head_closes_the_ledger_with_no_tokens_used() -> None:
     ledger = FakeLedger()
-    fwd, _ = _forwarder(FakeGen([head(400, b'{"error": {}}')]))
+    fwd, _ = _forwarder(FakeStream([head(400, b'{"error": {}}')]))
     _run(_forward(fwd, ledger=ledger))
     assert [(o.status, o.used_tokens) for o in ledger.outcomes] == [(400, 0)]
 
 
 def test_no_answer_leaves_the_ledger_to_the_caller() -> None:
     ledger = FakeLedger()
-    fwd, _ = _forwarder(FakeGen([BackPressureError(num_queued_requests=1, max_queued_requests=1)]))
+    fwd, _ = _forwarder(FakeStream([BackPressureError(num_queued_requests=1, max_queued_requests=1)]))
     with pytest.raises(errors.ServiceUnavailable):
         _run(_forward(fwd, ledger=ledger))
     assert ledger.outcomes == []
@@ -328,7 +274,7 @@ def test_no_answer_leaves_the_ledger_to_the_caller() -> None:
 
 def test_finished_stream_is_charged_the_trailer_counts() -> None:
     ledger = FakeLedger()
-    gen = FakeGen([head(200, b"data: 1\n\n", stream=True, tokens=tokens_of(3, 1)),
+    gen = FakeStream([head(200, b"data: 1\n\n", stream=True, tokens=tokens_of(3, 1)),
                    (b"data: 2\n\n", 9), trailer(3, 10)])
     fwd, _ = _forwarder(gen)
 
@@ -343,7 +289,7 @@ def test_stream_cut_short_is_charged_the_engines_count_not_events() -> None:
     """Pacing merges several tokens into one event: the last chunk's count is what the engine made
     (here 12 tokens in 2 events), where counting events would charge 2."""
     ledger = FakeLedger()
-    gen = FakeGen([head(200, b"data: 1\n\n", stream=True, tokens=tokens_of(40, 5)),
+    gen = FakeStream([head(200, b"data: 1\n\n", stream=True, tokens=tokens_of(40, 5)),
                    (b"data: 2\n\n", 12), HANG])
     fwd, _ = _forwarder(gen)
 
@@ -359,7 +305,7 @@ def test_a_client_gone_before_the_first_chunk_still_ends_the_request() -> None:
     """Starlette never starts the body iterator then; the response's own ``__call__`` still
     cancels the model's stream and closes the ledger, once."""
     ledger = FakeLedger()
-    gen = FakeGen([head(200, b"data: 1\n\n", stream=True, tokens=tokens_of(8, 0)), HANG])
+    gen = FakeStream([head(200, b"data: 1\n\n", stream=True, tokens=tokens_of(8, 0)), HANG])
     fwd, _ = _forwarder(gen)
 
     async def scenario() -> list[bytes]:
@@ -374,7 +320,7 @@ def test_a_client_gone_before_the_first_chunk_still_ends_the_request() -> None:
 # ---- a complete answer larger than one message arrives in parts ----------------------------------
 def test_complete_answer_in_parts_is_joined_whole() -> None:
     body = json.dumps({"data": ["x" * 1000] * 300}).encode()
-    gen = FakeGen(split_complete(200, body, tokens_of(3, 0), part_bytes=4096))
+    gen = FakeStream(split_complete(200, body, tokens_of(3, 0), part_bytes=4096))
     assert len(gen.items) > 2 and all(len(i) <= 4096 for i in gen.items[1:])
     ledger = FakeLedger()
     fwd, _ = _forwarder(gen)
@@ -388,7 +334,7 @@ def test_answer_cut_between_its_parts_is_an_error_not_a_truncated_200() -> None:
     """The model ran: the break is ``AnswerBroken`` (502), not the 503 "nothing ran" that the
     pipeline would fall back on or book as backpressure."""
     items = split_complete(200, b"x" * 10000, None, part_bytes=4096)
-    gen = FakeGen([items[0], items[1], RayActorError()])
+    gen = FakeStream([items[0], items[1], RayActorError()])
     ledger = FakeLedger()
     fwd, _ = _forwarder(gen)
     with pytest.raises(errors.AnswerBroken) as exc_info:
@@ -407,7 +353,7 @@ def test_a_request_held_for_a_lost_replica_is_answered_503_once_none_runs() -> N
     counts = {"tiny-chat": 1}
     live = LiveReplicas(lambda: Status(dict(counts)), 0.1)
     live.refresh()
-    gen = FakeGen([HANG])
+    gen = FakeStream([HANG])
     handle = FakeHandle(gen)
     cfg = GatewayConfig(retry_after_s=7, unavailable_hold_s=0.5)
     fwd = Forwarder({"tiny-chat": handle}, cfg, OutageGuard(cfg.unavailable_hold_s, live))

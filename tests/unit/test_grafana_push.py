@@ -70,6 +70,7 @@ def grafana() -> Iterator[str]:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
+        server.server_close()
 
 
 def test_push_creates_the_folder_and_overwrites_each_dashboard(grafana: str,

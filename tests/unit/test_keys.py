@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import stat
-import time
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,9 @@ from serve_app.gateway.keys import (
     read_keys_file,
     revoke_key,
 )
+from tests.unit.fakes import StepClock
 
-RELOAD_S = 0.01
+RELOAD_S = 1.0
 
 
 @pytest.fixture
@@ -26,8 +26,17 @@ def keys_path(tmp_path: Path) -> Path:
     return tmp_path / "conf" / "keys.yaml"
 
 
-def _wait_reload() -> None:
-    time.sleep(RELOAD_S * 5)
+@pytest.fixture
+def clock() -> StepClock:
+    return StepClock()
+
+
+def _store(path: Path, clock: StepClock) -> KeyStore:
+    return KeyStore(path, RELOAD_S, clock=clock)
+
+
+def _wait_reload(clock: StepClock) -> None:
+    clock.step(RELOAD_S)
 
 
 # ---- file edits --------------------------------------------------------------------------------
@@ -101,77 +110,78 @@ def test_invalid_record_names_the_field(keys_path: Path) -> None:
 
 
 # ---- KeyStore ----------------------------------------------------------------------------------
-def test_lookup_finds_active_key(keys_path: Path) -> None:
+def test_lookup_finds_active_key(keys_path: Path, clock: StepClock) -> None:
     secret = create_key(keys_path, "k1", "premium", ["*"])
-    store = KeyStore(keys_path, RELOAD_S)
+    store = _store(keys_path, clock)
     record = store.lookup(secret)
     assert record is not None and record.id == "k1" and record.tier == "premium"
 
 
-def test_lookup_rejects_unknown_secret(keys_path: Path) -> None:
+def test_lookup_rejects_unknown_secret(keys_path: Path, clock: StepClock) -> None:
     secret = create_key(keys_path, "k1", "standard", ["*"])
-    store = KeyStore(keys_path, RELOAD_S)
+    store = _store(keys_path, clock)
     assert store.lookup(secret + "x") is None
     assert store.lookup("") is None
     assert store.lookup(digest(secret)) is None  # the stored digest is not itself a key
 
 
-def test_lookup_rejects_revoked_key_at_startup(keys_path: Path) -> None:
+def test_lookup_rejects_revoked_key_at_startup(keys_path: Path, clock: StepClock) -> None:
     secret = create_key(keys_path, "k1", "standard", ["*"])
     revoke_key(keys_path, "k1")
-    assert KeyStore(keys_path, RELOAD_S).lookup(secret) is None
+    assert _store(keys_path, clock).lookup(secret) is None
 
 
-def test_revocation_is_picked_up_without_restart(keys_path: Path) -> None:
+def test_revocation_is_picked_up_without_restart(keys_path: Path, clock: StepClock) -> None:
     secret = create_key(keys_path, "k1", "standard", ["*"])
-    store = KeyStore(keys_path, RELOAD_S)
+    store = _store(keys_path, clock)
     assert store.lookup(secret) is not None
     revoke_key(keys_path, "k1")
-    _wait_reload()
+    _wait_reload(clock)
     assert store.lookup(secret) is None
 
 
-def test_new_key_is_picked_up_without_restart(keys_path: Path) -> None:
+def test_new_key_is_picked_up_without_restart(keys_path: Path, clock: StepClock) -> None:
     create_key(keys_path, "k1", "standard", ["*"])
-    store = KeyStore(keys_path, RELOAD_S)
+    store = _store(keys_path, clock)
     secret = create_key(keys_path, "k2", "standard", ["*"])
-    _wait_reload()
+    _wait_reload(clock)
     record = store.lookup(secret)
     assert record is not None and record.id == "k2"
 
 
-def test_reload_is_rate_limited(keys_path: Path) -> None:
+def test_reload_is_rate_limited(keys_path: Path, clock: StepClock) -> None:
     create_key(keys_path, "k1", "standard", ["*"])
-    store = KeyStore(keys_path, reload_interval_s=0.5)
-    store.lookup("warm-up")  # a check happens now; the next one waits for the interval
+    store = _store(keys_path, clock)  # reads the file now; the next check waits for the interval
     secret = create_key(keys_path, "k2", "standard", ["*"])
     assert store.lookup(secret) is None  # the file is not re-read on every request
-    time.sleep(0.6)
+    clock.step(RELOAD_S * 0.9)
+    assert store.lookup(secret) is None
+    clock.step(RELOAD_S * 0.1)
     assert store.lookup(secret) is not None
 
 
-def test_broken_edit_keeps_old_keys(keys_path: Path) -> None:
+def test_broken_edit_keeps_old_keys(keys_path: Path, clock: StepClock) -> None:
     secret = create_key(keys_path, "k1", "standard", ["*"])
-    store = KeyStore(keys_path, RELOAD_S)
+    store = _store(keys_path, clock)
     good = keys_path.read_text()
     keys_path.write_text(good + "\n  - : [unbalanced\n")
-    _wait_reload()
+    _wait_reload(clock)
     assert store.lookup(secret) is not None
     # An edit that is valid YAML but not a valid keys file is kept out too.
     keys_path.write_text(yaml.safe_dump({"keys": [{"id": "k1", "digest": "oops"}]}))
-    _wait_reload()
+    _wait_reload(clock)
     assert store.lookup(secret) is not None
     # A later good edit is picked up.
     other = create_key(keys_path.with_name("other.yaml"), "k2", "standard", ["*"])
     keys_path.write_text(keys_path.with_name("other.yaml").read_text())
-    _wait_reload()
+    _wait_reload(clock)
     assert store.lookup(secret) is None
     assert store.lookup(other) is not None
 
 
-def test_missing_file_means_no_keys_until_created(keys_path: Path) -> None:
-    store = KeyStore(keys_path, RELOAD_S)
+def test_missing_file_means_no_keys_until_created(keys_path: Path, clock: StepClock) -> None:
+    store = _store(keys_path, clock)
     assert store.lookup("sk-sa-anything") is None
     secret = create_key(keys_path, "k1", "standard", ["*"])
-    _wait_reload()
+    _wait_reload(clock)
     assert store.lookup(secret) is not None

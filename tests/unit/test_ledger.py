@@ -19,7 +19,8 @@ from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing import Router
 from serve_app.gateway.usage import MemoryUsageStore, Usage
 from serve_app.protocol import ENDPOINTS, head, split_complete, tokens_of, trailer
-from tests.unit.test_forward import HANG, FakeGen, FakeHandle, _serve
+from tests.unit.fakes import HANG, FakeHandle, FakeStream
+from tests.unit.test_forward import _serve
 
 TPM = 100_000
 NOW = 1_000_000.0
@@ -39,7 +40,7 @@ def _cfg() -> AppConfig:
 
 
 class Env:
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, gens: dict[str, FakeGen]) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, gens: dict[str, FakeStream]) -> None:
         monkeypatch.setattr("serve_app.gateway.admission.clock", lambda: NOW)  # no refill
         cfg = _cfg()
         self.handles = {m: FakeHandle(g) for m, g in gens.items()}
@@ -75,9 +76,9 @@ def test_cut_short_stream_charges_the_engines_tokens_to_usage_and_tpm(
 ) -> None:
     """Three paced events carried 25 tokens: both the usage totals and the TPM bucket are charged
     the engine's 25 (plus the prompt's 17), where the old estimate charged about one per event."""
-    gen = FakeGen([head(200, b"data: a\n\n", stream=True, tokens=tokens_of(17, 1)),
+    gen = FakeStream([head(200, b"data: a\n\n", stream=True, tokens=tokens_of(17, 1)),
                    (b"data: b\n\n", 12), (b"data: c\n\n", 25), HANG])
-    env = Env(monkeypatch, {"tiny": gen, "spare": FakeGen([])})
+    env = Env(monkeypatch, {"tiny": gen, "spare": FakeStream([])})
 
     async def scenario() -> tuple[int, dict[str, int]]:
         await _serve(await env.request(dict(BODY)), disconnect_after=3)  # then the client goes
@@ -90,9 +91,9 @@ def test_cut_short_stream_charges_the_engines_tokens_to_usage_and_tpm(
 
 
 def test_finished_stream_charges_the_trailer(monkeypatch: pytest.MonkeyPatch) -> None:
-    gen = FakeGen([head(200, b"data: a\n\n", stream=True, tokens=tokens_of(9, 1)),
+    gen = FakeStream([head(200, b"data: a\n\n", stream=True, tokens=tokens_of(9, 1)),
                    (b"data: b\n\n", 4), trailer(9, 5)])
-    env = Env(monkeypatch, {"tiny": gen, "spare": FakeGen([])})
+    env = Env(monkeypatch, {"tiny": gen, "spare": FakeStream([])})
 
     async def scenario() -> tuple[int, dict[str, int]]:
         await _serve(await env.request(dict(BODY)))
@@ -107,8 +108,8 @@ def test_a_client_gone_before_the_first_chunk_frees_everything(
 ) -> None:
     """The response's receive answers http.disconnect before the first body chunk: Starlette
     never starts the body iterator, yet the request leaves no trace in flight."""
-    gen = FakeGen([head(200, b"data: a\n\n", stream=True, tokens=tokens_of(6, 0)), HANG])
-    env = Env(monkeypatch, {"tiny": gen, "spare": FakeGen([])})
+    gen = FakeStream([head(200, b"data: a\n\n", stream=True, tokens=tokens_of(6, 0)), HANG])
+    env = Env(monkeypatch, {"tiny": gen, "spare": FakeStream([])})
 
     async def scenario() -> dict[str, int]:
         resp = await env.request(dict(BODY))
@@ -129,8 +130,8 @@ def test_a_break_between_parts_is_neither_rerun_nor_backpressure(
     """The model ran and its complete answer broke after the head: no fallback re-runs it, and it
     is booked as a failure (502) with the reservation kept, never as a backpressure rejection."""
     items = split_complete(200, b"x" * 10000, None, part_bytes=4096)
-    broken = FakeGen([items[0], items[1], RuntimeError("replica died")])
-    spare = FakeGen([head(200, b"{}", tokens=tokens_of(3, 4))])
+    broken = FakeStream([items[0], items[1], RuntimeError("replica died")])
+    spare = FakeStream([head(200, b"{}", tokens=tokens_of(3, 4))])
     env = Env(monkeypatch, {"tiny": broken, "spare": spare})
 
     async def scenario() -> tuple[int, dict[str, int]]:
@@ -148,8 +149,8 @@ def test_a_break_between_parts_is_neither_rerun_nor_backpressure(
 
 
 def test_unavailable_model_falls_back_once_and_closes_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    full = FakeGen([BackPressureError(num_queued_requests=1, max_queued_requests=1)])
-    spare = FakeGen([head(200, b"{}", tokens=tokens_of(3, 4))])
+    full = FakeStream([BackPressureError(num_queued_requests=1, max_queued_requests=1)])
+    spare = FakeStream([head(200, b"{}", tokens=tokens_of(3, 4))])
     env = Env(monkeypatch, {"tiny": full, "spare": spare})
     body = {**BODY, "stream": False}
 
@@ -159,7 +160,7 @@ def test_unavailable_model_falls_back_once_and_closes_once(monkeypatch: pytest.M
 
     resp, charged, totals = asyncio.run(scenario())
     assert resp.headers["x-served-by"] == "spare"
-    assert [c[0] for c in env.handles["spare"].calls] == ["chat"]
+    assert [c.endpoint for c in env.handles["spare"].calls] == ["chat"]
     assert totals["requests"] == 1 and charged == 7
     assert env.admission.inflight == {"tiny": 0, "spare": 0}
 
@@ -168,8 +169,8 @@ def test_no_answer_anywhere_is_one_rejection_and_refunds_the_reservation(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     env = Env(monkeypatch, {
-        "tiny": FakeGen([BackPressureError(num_queued_requests=1, max_queued_requests=1)]),
-        "spare": FakeGen([BackPressureError(num_queued_requests=1, max_queued_requests=1)]),
+        "tiny": FakeStream([BackPressureError(num_queued_requests=1, max_queued_requests=1)]),
+        "spare": FakeStream([BackPressureError(num_queued_requests=1, max_queued_requests=1)]),
     })
 
     async def scenario() -> tuple[int, dict[str, int]]:
@@ -184,7 +185,7 @@ def test_no_answer_anywhere_is_one_rejection_and_refunds_the_reservation(
 
 
 def test_a_second_close_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
-    env = Env(monkeypatch, {"tiny": FakeGen([]), "spare": FakeGen([])})
+    env = Env(monkeypatch, {"tiny": FakeStream([]), "spare": FakeStream([])})
 
     async def scenario() -> dict[str, int]:
         ticket = await env.admission.admit(KEY, ["tiny"], {"max_tokens": 10}, 0)
