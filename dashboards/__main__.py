@@ -15,11 +15,10 @@ from pathlib import Path
 
 import yaml
 
-from serve_app.config import load_app_config
-
 from dashboards.alerts import rules
 from dashboards.build import render
 from dashboards.queries import boards
+from serve_app.config import load_app_config
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve_app.config import AppConfig
-
 from dashboards.queries import REJECTIONS, REQUESTS, TPOT, TTFT
+from serve_app.config import AppConfig
 
 SUSTAINED = "5m"  # a tier over its objective for this long fires
 WINDOW = "5m"  # rate window of the p95

@@ -17,11 +17,10 @@ import json
 import logging
 import os
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
-
-import sys
 
 import orjson
 from flask import request as flask_request

@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+from dashboards.promql import PromQL
 from dashboards.queries import Board, Panel, concrete, sla_board
 from serve_app.config import load_app_config
-from dashboards.promql import PromQL
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs/local.yaml"
 UNIT_SCALE = {"s": (1000.0, "ms"), "percentunit": (100.0, "%"), "reqps": (1.0, "req/s")}

@@ -33,8 +33,8 @@ import psutil
 import yaml
 
 from loadtests.harness import stack as harness
-from loadtests.sla import Objective, read_objectives, top_tier
 from loadtests.harness.stack import Stack
+from loadtests.sla import Objective, read_objectives, top_tier
 from serve_app.config import APP_NAME
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -221,7 +221,7 @@ class StageMetrics:
 
 @dataclass
 class ProcessMetrics:
-    """One process's event-loop lag and CPU time (``serve_app.procwatch.LoopWatch`` feeds it)."""
+    """One process's event-loop lag and CPU time (``serve_app.runtime.procwatch.LoopWatch`` feeds it)."""
 
     loop_lag: Gauge
     cpu: Counter
@@ -231,6 +231,19 @@ class ProcessMetrics:
     def create(cls, *, kind: str, deployment: str, replica: str) -> ProcessMetrics:
         return cls(loop_lag=_made("event_loop_lag_seconds"), cpu=_made("process_cpu_seconds_total"),
                    tags={"kind": kind, "deployment": deployment, "replica": replica})
+
+    @classmethod
+    def for_this_replica(cls, kind: str) -> ProcessMetrics:
+        """Labelled by the Ray Serve replica this runs in (or ``local`` outside one: unit tests)."""
+        from ray import serve
+        from ray.serve.exceptions import RayServeException
+
+        try:
+            rc = serve.get_replica_context()
+            deployment, replica = rc.deployment, rc.replica_tag
+        except RayServeException:
+            deployment, replica = kind, "local"
+        return cls.create(kind=kind, deployment=deployment, replica=replica)
 
     def loop_lag_seen(self, seconds: float) -> None:
         self.loop_lag.set(seconds, tags=self.tags)

@@ -26,7 +26,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 from serve_app import errors
 
@@ -209,6 +209,8 @@ class RequestContext:
     priority: int = 0
     deadline: float = 0.0  # epoch seconds; 0 means none
     tenant: str = ""  # keys of one tenant share vLLM's prefix cache; others cannot probe it
+    arrival: float = 0.0  # epoch seconds the front door received the request (gateway/timing.py)
+    traceparent: str = ""  # W3C trace context: the gateway's span is the replica's parent
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -239,6 +241,16 @@ class Head(TypedDict):
     # A complete answer's usage (None for an error); for a stream, the counts at its first bytes.
     tokens: Tokens | None
     parts: int  # a complete answer's further body parts (bytes items) that follow the head
+    # Set by the model replica: when it started the request and when its first item was ready
+    # (epoch seconds), the ends of the ``handle`` and ``engine`` stages (gateway/timing.py).
+    timing: NotRequired[ReplicaTiming]
+
+
+class ReplicaTiming(TypedDict):
+    """Two moments of one request in the model replica, as ``time.time()``."""
+
+    start: float
+    first: float
 
 
 class Trailer(TypedDict):

@@ -30,8 +30,8 @@ from typing import Any
 
 import httpx
 
-from loadtests.harness import stack as harness
 from loadtests.bench.procs import say
+from loadtests.harness import stack as harness
 from loadtests.harness.stack import ROOT
 
 CACHED, UNCACHED = "tiny-chat", "tiny-chat-nocache"

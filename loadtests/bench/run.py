@@ -30,8 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -39,8 +39,8 @@ from urllib.parse import urlsplit
 from loadtests.bench import peers as peers
 from loadtests.bench import procs as procs
 from loadtests.bench import report as report
-from loadtests.harness import stack as harness
 from loadtests.bench.procs import say
+from loadtests.harness import stack as harness
 from loadtests.harness.stack import ROOT, Proc, Stack
 
 ENDPOINTS = {"openai-chat": "/v1/chat/completions", "openai": "/v1/completions"}

@@ -433,6 +433,17 @@ class GatewayConfig(_Strict):
         "running replicas of every model, which admission capacity, tier shedding and the outage "
         "hold follow, and whether the app is being deleted (the drain).",
     )
+    front_end_niceness: int | None = Field(
+        default=0, ge=-20, le=19,
+        description="CPU niceness for every thread of the gateway replicas and of Ray Serve's "
+        "HAProxy (Ray starts its workers at 15, behind busy-waiting engines); null leaves Ray's. "
+        "Lowering it needs root (CAP_SYS_NICE); without it the gateway logs one warning.",
+    )
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="OTLP/HTTP traces endpoint (e.g. http://127.0.0.1:4318/v1/traces): each request's "
+        "stages are exported as OpenTelemetry spans. Off when null.",
+    )
 
 
 class AppConfig(_Strict):

@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
 
-from serve_app import logflush
 from serve_app.config import ModelConfig
 from serve_app.engine.backend import Backend
 from serve_app.engine.server import EngineServer
 from serve_app.engine.sources import resolve_source
 from serve_app.engine.synthetic import SyntheticServer
-from serve_app.protocol import ENDPOINTS, RequestContext
+from serve_app.protocol import ENDPOINTS, Head, RequestContext
+from serve_app.metrics import ProcessMetrics
+from serve_app.runtime import logflush
+from serve_app.runtime.procwatch import LoopWatch
 
 logger = logging.getLogger("ray.serve")
+
 
 
 @serve.deployment
@@ -36,6 +40,8 @@ class ModelServer:
     ) -> None:
         logflush.install()  # warnings and errors reach the replica log at once
         self.cfg = ModelConfig.model_validate(model)
+        self.watch = LoopWatch(ProcessMetrics.for_this_replica("model"))
+        self.watch.start()
         self.server: Backend
         if self.cfg.synthetic is not None:  # no engine: made-up tokens for gateway benchmarks
             self.server = SyntheticServer(self.cfg)
@@ -51,8 +57,14 @@ class ModelServer:
             ) from None
 
     async def handle(self, endpoint: str, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Any]:
-        """One request of ``ENDPOINTS[endpoint]``, with the context the gateway decided."""
-        async for item in self.server.handle(ENDPOINTS[endpoint], body, RequestContext.from_dict(ctx)):
+        """One request of ``ENDPOINTS[endpoint]``, with the context the gateway decided. The head
+        carries when this replica started the request and had its first item (``Head.timing``),
+        so the gateway can tell Ray Serve's queue from the engine's time."""
+        start = time.time()
+        items = self.server.handle(ENDPOINTS[endpoint], body, RequestContext.from_dict(ctx))
+        async for item in items:
+            if isinstance(item, dict) and "status" in item:  # the head (a Trailer has no status)
+                cast(Head, item)["timing"] = {"start": start, "first": time.time()}
             yield item
 
     async def stats(self) -> dict[str, Any]:
@@ -68,6 +80,9 @@ class ModelServer:
         await self.server.check_health()
 
     def __del__(self) -> None:
+        watch = getattr(self, "watch", None)
+        if watch is not None:
+            watch.cancel()
         server = getattr(self, "server", None)
         if server is not None:
             server.shutdown()

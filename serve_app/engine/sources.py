@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-
 BUILTIN_PREFIX = "builtin:"
 PACKAGE_PREFIX = "package:"
 BUILTINS = ("tiny-chat",)

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from serve_app import logflush
+from serve_app.runtime import logflush
 
 logger = logging.getLogger("ray.serve")
 

@@ -11,6 +11,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.types import Lifespan
 
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
@@ -19,6 +20,8 @@ from serve_app.gateway.body import parse_body
 from serve_app.gateway.keys import KeyStore
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing import Route, Router
+from serve_app.gateway.timing import ArrivalStamp, StageClock
+from serve_app.gateway.tracecontext import TraceContext
 from serve_app.gateway.usage import Usage
 from serve_app.protocol import BY_PATH, ENDPOINTS, Endpoint, render_error
 
@@ -40,10 +43,15 @@ class GatewayDeps:
     router: Router
     pipeline: Pipeline
     usage: Usage
+    # HAProxy is the front door and stamps each request's arrival (``timing``); behind Ray's
+    # proxy actor an X-Request-Start header would be the client's own, never trusted.
+    trust_arrival_stamp: bool = False
 
 
-def build_api(deps: GatewayDeps) -> FastAPI:
-    app = FastAPI(title="serve-app gateway", docs_url=None, redoc_url=None, openapi_url=None)
+def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> FastAPI:
+    """The gateway's routes over ``deps``; ``lifespan`` runs at the replica's start and stop."""
+    app = FastAPI(title="serve-app gateway", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
     app.state.deps = deps
 
     async def get_deps(request: Request) -> GatewayDeps:
@@ -95,10 +103,13 @@ def build_api(deps: GatewayDeps) -> FastAPI:
             request: Request, key: KeyRecord = Depends(authenticate),
             d: GatewayDeps = Depends(get_deps),
         ) -> Response:
+            clock = StageClock.for_request(request.scope, trust_stamp=d.trust_arrival_stamp)
             body, size = await read_json(request, d)
             if check is not None:
                 check(body)
-            return await d.pipeline.handle(key, endpoint, body, size)
+            clock.mark("parse_auth")
+            trace = TraceContext.from_headers(request.headers)
+            return await d.pipeline.handle(key, endpoint, body, size, clock, trace)
 
         route.__name__ = endpoint.name
         return route
@@ -137,6 +148,8 @@ def build_api(deps: GatewayDeps) -> FastAPI:
         app.add_api_route(endpoint.path, model_route(endpoint), methods=["POST"])
 
     install_error_handlers(app)
+    # Outermost, so the arrival is taken before any of the gateway's own code runs.
+    app.add_middleware(ArrivalStamp)
     return app
 
 

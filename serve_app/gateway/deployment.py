@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from ray import serve
-
-from serve_app import logflush
+from ray.serve._private import constants as serve_constants
 from serve_app.config import AppConfig
 from serve_app.gateway.admission import Admission
 from serve_app.gateway.api import GatewayDeps, build_api
@@ -21,7 +25,15 @@ from serve_app.gateway.replicas import LiveReplicas, serve_status_fetch
 from serve_app.gateway.limits import LimitBackend, MemoryBackend, RedisBackend
 from serve_app.gateway.routing import Router
 from serve_app.gateway.usage import MemoryUsageStore, RedisUsageStore, Usage, UsageStore
-from serve_app.metrics import GatewayMetrics
+from serve_app.metrics import GatewayMetrics, ProcessMetrics, StageMetrics
+from serve_app.runtime import logflush, niceness
+from serve_app.runtime.procwatch import LoopWatch
+
+if TYPE_CHECKING:
+    from serve_app.gateway.otel import StageSpans
+
+logger = logging.getLogger("ray.serve")
+NICENESS_EVERY_S = 5.0  # HAProxy is a new process after each reload; threads come and go
 
 
 @serve.deployment
@@ -36,7 +48,15 @@ class Gateway:
         backend: LimitBackend = RedisBackend(redis_url) if redis_url else MemoryBackend()
         store: UsageStore = RedisUsageStore(redis_url) if redis_url else MemoryUsageStore()
         router = Router(cfg)
-        usage = Usage(store, GatewayMetrics.create(cfg))
+        self.spans: StageSpans | None = None
+        if cfg.gateway.otlp_endpoint:  # opentelemetry is imported only when it is configured
+            from serve_app.gateway.otel import StageSpans as Spans
+
+            self.spans = Spans.otlp(cfg.gateway.otlp_endpoint)
+        usage = Usage(store, GatewayMetrics.create(cfg), StageMetrics.create(), self.spans)
+        self.backend, self.store = backend, store
+        self.niceness = cfg.gateway.front_end_niceness
+        self.watch = LoopWatch(ProcessMetrics.for_this_replica("gateway"))
         # The one reader of Ray Serve's status, refreshed in a thread: admission sizes its bounds
         # by the running replicas, the outage guard asks whether a model has none, the drain
         # whether the app is being deleted.
@@ -55,10 +75,48 @@ class Gateway:
             router=router,
             pipeline=Pipeline(cfg, router, self.admission, forwarder, usage),
             usage=usage,
+            trust_arrival_stamp=serve_constants.RAY_SERVE_ENABLE_HA_PROXY,
         )
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_api(self.deps)
+        return build_api(self.deps, self._lifespan)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        """While the replica serves: its loop and CPU watched, the front end kept at
+        ``gateway.front_end_niceness``; at its stop the Redis clients give their connections back."""
+        self.watch.start()
+        nice = asyncio.get_running_loop().create_task(self._keep_niceness())
+        try:
+            yield
+        finally:
+            nice.cancel()
+            await self.watch.stop()
+            await self.backend.close()
+            await self.store.close()
+            if self.spans is not None:
+                self.spans.shutdown()
+
+    async def _keep_niceness(self) -> None:
+        """Ray starts its workers, HAProxy included, at niceness 15, behind engines that busy-wait:
+        the front door and this replica then wait for a core (ENVIRONMENT.md measured /health at
+        p95 700 ms under load). Every thread of both goes to ``front_end_niceness``, again every
+        few seconds (new threads, a reloaded HAProxy). The model replicas stay where Ray put them."""
+        if self.niceness is None:
+            return
+        config = serve_constants.RAY_SERVE_HAPROXY_CONFIG_FILE_LOC
+        while True:
+            try:
+                niceness.renice_process_threads(os.getpid(), self.niceness)
+                if serve_constants.RAY_SERVE_ENABLE_HA_PROXY:
+                    niceness.renice_haproxy(config, self.niceness)
+            except PermissionError:
+                logger.warning("front end left at Ray's niceness: lowering it needs root "
+                               "(gateway.front_end_niceness: null silences this)")
+                return
+            except Exception:  # never let this take the replica down
+                logger.warning("niceness not applied", exc_info=True)
+            await asyncio.sleep(NICENESS_EVERY_S)
 
     def diagnostics(self) -> dict[str, Any]:
         """Facts about this replica for operators and tests: memory and heavy modules loaded."""
@@ -87,9 +145,7 @@ class Gateway:
             },
         }
 
-    async def __del__(self) -> None:
-        """Ray Serve calls this when it stops the replica: the status thread ends and the Redis
-        clients give their connections back."""
-        self.replicas.stop()
-        await self.admission.backend.close()
-        await self.deps.usage.store.close()
+    def __del__(self) -> None:
+        replicas = getattr(self, "replicas", None)  # absent if the constructor failed early
+        if replicas is not None:
+            replicas.stop()

@@ -85,22 +85,28 @@ class Forwarder:
         gen = self._handles[model_id].handle.remote(endpoint.name, body, ctx.to_dict())
         self.transport = "object refs" if getattr(gen, "by_reference", True) else "grpc"
         first = await self._first(model_id, gen, start)
-        ttft = time.monotonic() - start
         if first["status"] == 503 and not first["stream"]:
             # The replica's engine died (engine/watchdog.py): nothing ran. A ServiceUnavailable
             # lets the pipeline fall back, or answer 503 with the gateway's Retry-After.
             gen.cancel()
             self.outage.saw_failure(model_id)
             raise self.model_unavailable(model_id, "restarting its engine")
+        clock = ledger.clock
+        timing = first.get("timing")
+        if timing is not None:  # the replica's start and first item split Ray's queue from the engine
+            clock.mark("handle", at=timing["start"])
+            clock.mark("engine", at=timing["first"])
+        headers = {**headers, "Server-Timing": clock.server_timing()}
         if first["stream"]:
-            relay = Relay(self, ledger, endpoint, first, gen, start, ttft)
+            relay = Relay(self, ledger, endpoint, first, gen)
             return LedgerStream(relay, headers={**headers, **STREAM_HEADERS})
         try:
             answer = await self._rest(model_id, gen, first) if first.get("parts") else first["body"]
         finally:
             gen.cancel()  # the answer is complete (or broken); release the stream promptly
+        clock.mark("relay")
         tokens = first["tokens"] if first["tokens"] is not None else tokens_of(0, 0)
-        await ledger.close(Outcome(first["status"], tokens, ttft_s=None, duration_s=ttft))
+        await ledger.close(Outcome(first["status"], tokens, ttft_s=None, duration_s=clock.elapsed_s()))
         return Response(
             answer, status_code=first["status"], media_type="application/json", headers=headers
         )
@@ -158,15 +164,16 @@ class Forwarder:
 class Relay:
     """One model stream on its way to the client, and what it has told of its tokens so far."""
 
-    def __init__(self, fwd: Forwarder, ledger: Ledger, endpoint: Endpoint, first: Head, gen: Any,
-                 start: float, ttft: float) -> None:
+    def __init__(self, fwd: Forwarder, ledger: Ledger, endpoint: Endpoint, first: Head,
+                 gen: Any) -> None:
         self._fwd = fwd
         self._ledger = ledger
         self._endpoint = endpoint
         self._first = first
         self._gen = gen
-        self._start = start
-        self._ttft = ttft
+        # Time to first token as the client sees it: from the arrival at the front door to the
+        # first bytes handed to the server for the client (``timing``).
+        self._ttft: float | None = None
         self.finished = False  # the model's stream ended (or was cancelled by the relay itself)
         # The engine's counts so far: the head has the prompt's, each chunk the completion's, and
         # the trailer the final ones. A stream cut short is charged what the last chunk said.
@@ -180,6 +187,8 @@ class Relay:
         """The SSE bytes for the client; the request's end is ``end``'s, not this generator's."""
         cfg, model_id, gen = self._fwd.cfg, self._ledger.model_id, self._gen
         try:
+            clock = self._ledger.clock
+            self._ttft = clock.ttft_s(clock.mark("relay"))
             if self._first["body"]:
                 yield self._first["body"]
             while True:
@@ -220,7 +229,7 @@ class Relay:
             self._gen.cancel()
         tokens = self._final or tokens_of(self._prompt, self._completion)
         await self._ledger.close(Outcome(200, tokens, ttft_s=self._ttft,
-                                         duration_s=time.monotonic() - self._start))
+                                         duration_s=self._ledger.clock.elapsed_s()))
 
 
 class LedgerStream(StreamingResponse):

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from serve_app import errors
 from serve_app.config import KeyRecord, TierConfig
 from serve_app.gateway.admission import Admission, Ticket
+from serve_app.gateway.timing import StageClock
+from serve_app.gateway.tracecontext import TraceContext
 from serve_app.gateway.usage import Usage
 from serve_app.protocol import Tokens, tokens_of
 
@@ -55,8 +57,12 @@ class Ledger:
         admission: Admission,
         usage: Usage,
         fallback: str | None,
+        clock: StageClock,
+        trace: TraceContext,
     ) -> None:
         self.key = key
+        self.clock = clock  # from the arrival at the front door; its stages go out at the close
+        self.trace = trace
         self.tier = tier
         self.ticket = ticket
         self._admission = admission
@@ -96,3 +102,4 @@ class Ledger:
         else:
             await self._usage.finished(self.key, self.tier, self.model_id, out.status, out.tokens,
                                        out.ttft_s, out.duration_s)
+        self._usage.stages_finished(self.clock, self.trace, tier=self.key.tier, model=self.model_id)

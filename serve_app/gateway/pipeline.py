@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 import uuid
 from typing import Any
 
@@ -26,6 +25,8 @@ from serve_app.gateway.admission import Admission
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.ledger import NO_TOKENS, Ledger, Outcome
 from serve_app.gateway.routing import Router
+from serve_app.gateway.timing import StageClock
+from serve_app.gateway.tracecontext import TraceContext
 from serve_app.gateway.usage import Usage
 from serve_app.protocol import Endpoint, RequestContext
 
@@ -61,8 +62,11 @@ class Pipeline:
         self.usage = usage
 
     async def handle(
-        self, key: KeyRecord, endpoint: Endpoint, body: dict[str, Any], size: int
+        self, key: KeyRecord, endpoint: Endpoint, body: dict[str, Any], size: int,
+        clock: StageClock, trace: TraceContext,
     ) -> Response:
+        """``clock`` runs from the request's arrival at the front door (``timing``) and has its
+        ``parse_auth`` stage marked; every later stage is marked on the way down and up."""
         route = self.router.resolve(body.get("model"), key)
         if route.task != endpoint.task:
             raise errors.InvalidRequest(
@@ -77,16 +81,20 @@ class Pipeline:
         except (errors.RateLimited, errors.ServiceUnavailable) as exc:
             await self.usage.rejected(key, model_id, _rejection_reason(exc))
             raise
+        clock.mark("admission")
         if ticket.model_id != model_id:
             logger.warning("model %s has no room; falling back to %s", model_id, ticket.model_id)
-        ledger = Ledger(key, self.admission.tier(key), ticket, self.admission, self.usage, fallback)
+        ledger = Ledger(key, self.admission.tier(key), ticket, self.admission, self.usage, fallback,
+                        clock, trace)
         ctx = RequestContext(
             request_id=uuid.uuid4().hex,
             key_id=key.id,
             tier=key.tier,
             priority=ledger.tier.priority,
-            deadline=time.time() + self.cfg.gateway.request_timeout_s,
+            deadline=clock.arrival + self.cfg.gateway.request_timeout_s,
             tenant=key.tenant_id,
+            arrival=clock.arrival,
+            traceparent=trace.traceparent(),
         )
         # x-request-id is set by Ray Serve's proxy (bounded by gateway/proxy_middleware.py).
         try:

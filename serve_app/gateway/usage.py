@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from serve_app.config import KeyRecord, TierConfig
+from serve_app.gateway.timing import StageClock, StageSink
+from serve_app.gateway.tracecontext import TraceContext
 from serve_app.metrics import GatewayMetrics
 from serve_app.protocol import Tokens
+
+if TYPE_CHECKING:  # opentelemetry is imported only when an OTLP endpoint is configured
+    from serve_app.gateway.otel import StageSpans
 
 logger = logging.getLogger("ray.serve")
 
@@ -65,9 +70,22 @@ class RedisUsageStore:
 class Usage:
     """Records each request's outcome against its key and tier."""
 
-    def __init__(self, store: UsageStore, metrics: GatewayMetrics | None) -> None:
+    def __init__(self, store: UsageStore, metrics: GatewayMetrics | None,
+                 stages: StageSink | None = None, spans: StageSpans | None = None) -> None:
         self.store = store
         self.metrics = metrics
+        self.stages = stages  # the per-stage histogram (``metrics.StageMetrics``)
+        self.spans = spans  # OpenTelemetry export, when ``gateway.otlp_endpoint`` is set
+
+    def stages_finished(self, clock: StageClock, trace: TraceContext, *, tier: str, model: str) -> None:
+        """Where one request's time went: each stage into the histogram (and spans), once."""
+        try:
+            if self.stages is not None:
+                clock.observe(self.stages, tier=tier, model=model)
+            if self.spans is not None:
+                self.spans.export(trace, clock, attributes={"tier": tier, "model": model})
+        except Exception:  # timing must never fail a request
+            logger.warning("stage timings not recorded", exc_info=True)
 
     async def _add(self, key_id: str, fields: dict[str, int]) -> None:
         try:

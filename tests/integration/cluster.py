@@ -48,8 +48,8 @@ def _say(msg: str) -> None:
 def cluster_env(run_dir: Path) -> dict[str, str]:
     """The environment of every node (README "Deploy", step 3): Ray Serve's throughput mode with
     HAProxy, the X-Request-Id middleware, autoscaling metrics every second, loopback only."""
-    from serve_app.local import front_door
     from serve_app.gateway.proxy_middleware import IMPORT_PATH
+    from serve_app.local import front_door
 
     env = dict(os.environ)
     env.update(front_door.haproxy_env(run_dir, HOST, front_door.haproxy_binary()))

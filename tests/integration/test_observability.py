@@ -18,19 +18,19 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from dashboards.promql import PromQL
 from dashboards.queries import TPOT, TTFT, boards, concrete, sla_board
 from serve_app.config import load_app_config
 from serve_app.gateway.keys import create_key
-from serve_app.metrics import ENGINE_METRICS, METRICS, SERVE_METRICS, exported
-from dashboards.promql import PromQL
 from serve_app.local.prometheus import Prometheus, targets_from_nodes, write_sd_file
+from serve_app.metrics import ENGINE_METRICS, METRICS, SERVE_METRICS, exported
 
 pytestmark = pytest.mark.integration
 

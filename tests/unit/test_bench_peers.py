@@ -13,8 +13,8 @@ import yaml
 from loadtests.bench import gateway as bench_gateway
 from loadtests.bench import peers as bench_peers
 from loadtests.bench import prefix as bench_prefix
-from loadtests.bench import run as bench
 from loadtests.bench import report as report
+from loadtests.bench import run as bench
 from serve_app.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from loadtests.harness.faults import Result, classify, recovery
-from serve_app import logflush
 from serve_app.engine.watchdog import EngineWatchdog
 from serve_app.gateway.outage import ModelDown, OutageGuard
 from serve_app.gateway.replicas import LiveReplicas, Status
+from serve_app.runtime import logflush
 
 
 # ---- outage hold ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -22,6 +23,7 @@ from serve_app import errors
 from serve_app.config import APP_NAME, GatewayConfig
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.ledger import Outcome
+from serve_app.gateway.timing import StageClock
 from serve_app.protocol import (
     ENDPOINTS,
     SSE_DONE,
@@ -44,6 +46,7 @@ class FakeLedger:
 
     def __init__(self) -> None:
         self.outcomes: list[Outcome] = []
+        self.clock = StageClock(time.time())
 
     async def close(self, out: Outcome) -> None:
         self.outcomes.append(out)

@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import json
-import tomllib
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import tomllib
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 

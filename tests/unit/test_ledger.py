@@ -4,6 +4,7 @@ deployment is fake): every ending closes the books once, with the engine's token
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -13,6 +14,8 @@ from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
 from serve_app.gateway.admission import Admission
 from serve_app.gateway.forward import Forwarder
+from serve_app.gateway.timing import StageClock
+from serve_app.gateway.tracecontext import TraceContext
 from serve_app.gateway.ledger import Ledger, Outcome
 from serve_app.gateway.limits import MemoryBackend
 from serve_app.gateway.pipeline import Pipeline
@@ -51,7 +54,8 @@ class Env:
                                  Forwarder(self.handles, cfg.gateway), Usage(self.store, None))
 
     async def request(self, body: dict[str, Any]) -> Any:
-        return await self.pipeline.handle(KEY, CHAT, body, 40)
+        return await self.pipeline.handle(KEY, CHAT, body, 40, StageClock(time.time()),
+                                          TraceContext.from_headers({}))
 
     async def tpm_charged(self) -> int:
         """Tokens the key's TPM bucket holds charged now (GCRA: each token moves the bucket's
@@ -189,7 +193,8 @@ def test_a_second_close_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
 
     async def scenario() -> dict[str, int]:
         ticket = await env.admission.admit(KEY, ["tiny"], {"max_tokens": 10}, 0)
-        ledger = Ledger(KEY, env.admission.tier(KEY), ticket, env.admission, env.pipeline.usage, None)
+        ledger = Ledger(KEY, env.admission.tier(KEY), ticket, env.admission, env.pipeline.usage, None,
+                        StageClock(time.time()), TraceContext.from_headers({}))
         await ledger.close(Outcome(200, tokens_of(1, 2)))
         await ledger.close(Outcome(200, tokens_of(100, 200)))
         return await env.totals()

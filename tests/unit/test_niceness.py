@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from serve_app import niceness
 from serve_app.local import front_door
+from serve_app.local.ports import free_port
+from serve_app.runtime import niceness
 
 # A child with three threads in all, so a per-process renice (one thread) would be caught.
 THREADS = "import threading, time\n[threading.Thread(target=time.sleep, args=(60,), daemon=True).start() for _ in range(2)]\nprint('ready', flush=True)\ntime.sleep(60)\n"
@@ -26,6 +26,7 @@ def child() -> Iterator[subprocess.Popen[str]]:
     yield p
     p.kill()
     p.wait()
+    p.stdout.close()
 
 
 def test_every_thread_of_a_process_gets_the_niceness(child: subprocess.Popen[str]) -> None:
@@ -66,25 +67,20 @@ frontend f
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_haproxy_of_this_config_is_found_and_reniced(tmp_path: Path) -> None:
     cfg = tmp_path / "haproxy.cfg"
-    cfg.write_text(HAPROXY_CFG.format(port=_free_port()))
+    cfg.write_text(HAPROXY_CFG.format(port=free_port()))
     other = tmp_path / "other.cfg"
-    other.write_text(HAPROXY_CFG.format(port=_free_port()))
+    other.write_text(HAPROXY_CFG.format(port=free_port()))
     procs = [subprocess.Popen([front_door.haproxy_binary(), "-db", "-f", str(c)],
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
              for c in (cfg, other)]
     try:
         deadline = time.monotonic() + 5
-        while niceness.haproxy_pids(cfg) != [procs[0].pid] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while ((niceness.haproxy_pids(cfg) != [procs[0].pid]
+                or len(niceness.thread_ids(procs[0].pid)) < 2) and time.monotonic() < deadline):
+            time.sleep(0.05)  # until HAProxy runs both of its threads
         assert niceness.haproxy_pids(cfg) == [procs[0].pid]
         current = os.getpriority(os.PRIO_PROCESS, procs[0].pid)
         changed = niceness.renice_haproxy(cfg, current + 1)
@@ -93,4 +89,5 @@ def test_haproxy_of_this_config_is_found_and_reniced(tmp_path: Path) -> None:
     finally:
         for p in procs:
             p.kill()
+            p.wait()
             p.wait()

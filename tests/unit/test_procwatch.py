@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from serve_app.procwatch import LoopWatch
+from serve_app.runtime.procwatch import LoopWatch
 
 
 class _Sink:

@@ -71,10 +71,16 @@ class LoopWatch:
             self._cpu = self._cpu_clock()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="loop-watch")
 
-    async def stop(self) -> None:
+    def cancel(self) -> asyncio.Task[None] | None:
+        """Cancel the task without waiting for it (from a synchronous ``__del__``); returns it."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
+        return task
+
+    async def stop(self) -> None:
+        task = self.cancel()
+        if task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
