@@ -21,8 +21,8 @@ from serve_app.engine.backend import Backend
 from serve_app.engine.server import EngineServer
 from serve_app.engine.sources import resolve_source
 from serve_app.engine.synthetic import SyntheticServer
-from serve_app.protocol import ENDPOINTS, Head, RequestContext
 from serve_app.metrics import ProcessMetrics
+from serve_app.protocol import ENDPOINTS, Head, RequestContext
 from serve_app.runtime import logflush
 from serve_app.runtime.procwatch import LoopWatch
 

@@ -13,16 +13,17 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 from ray import serve
 from ray.serve._private import constants as serve_constants
+
 from serve_app.config import AppConfig
 from serve_app.gateway.admission import Admission
 from serve_app.gateway.api import GatewayDeps, build_api
 from serve_app.gateway.drain import Drain
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.keys import KeyStore
+from serve_app.gateway.limits import LimitBackend, MemoryBackend, RedisBackend
 from serve_app.gateway.outage import OutageGuard
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.replicas import LiveReplicas, serve_status_fetch
-from serve_app.gateway.limits import LimitBackend, MemoryBackend, RedisBackend
 from serve_app.gateway.routing import Router
 from serve_app.gateway.usage import MemoryUsageStore, RedisUsageStore, Usage, UsageStore
 from serve_app.metrics import GatewayMetrics, ProcessMetrics, StageMetrics

@@ -14,12 +14,12 @@ from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
 from serve_app.gateway.admission import Admission
 from serve_app.gateway.forward import Forwarder
-from serve_app.gateway.timing import StageClock
-from serve_app.gateway.tracecontext import TraceContext
 from serve_app.gateway.ledger import Ledger, Outcome
 from serve_app.gateway.limits import MemoryBackend
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing import Router
+from serve_app.gateway.timing import StageClock
+from serve_app.gateway.tracecontext import TraceContext
 from serve_app.gateway.usage import MemoryUsageStore, Usage
 from serve_app.protocol import ENDPOINTS, head, split_complete, tokens_of, trailer
 from tests.unit.fakes import HANG, FakeHandle, FakeStream
