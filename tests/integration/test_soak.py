@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.harness.stack import create_key
+from loadtests.harness.stack import keys_create
 
 pytestmark = [pytest.mark.integration, pytest.mark.soak]
 
@@ -22,7 +22,7 @@ TIERS = ("premium", "standard", "batch")
 
 
 def test_soak_with_a_replica_kill(stack, tmp_path: Path) -> None:
-    keys = {t: create_key(stack.keys_file, f"soak-{t}", t) for t in TIERS}
+    keys = {t: keys_create(stack.keys_file, f"soak-{t}", t) for t in TIERS}
     stack.wait_keys(accepted=list(keys.values()))
     out = tmp_path / "soak.json"
     proc = subprocess.run(
