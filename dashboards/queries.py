@@ -196,7 +196,8 @@ def capacity_board(cfg: AppConfig) -> Board:
                   description="How late a periodic 0.25 s sleep woke on each replica's event loop: "
                               "every request on that loop waited as long."),
             Panel("CPU per 1,000 completion tokens", "s", (
-                Target(f"sum by (kind) (rate({CPU}[{RATE}])) / "
+                # on() group_left: the per-kind CPU over the one total of tokens (no shared labels).
+                Target(f"sum by (kind) (rate({CPU}[{RATE}])) / on() group_left() "
                        f'(sum(rate({TOKENS}{{type="completion"}}[{RATE}])) / 1000)', "{{kind}}"),),
                   description="CPU seconds of the gateway and the model replicas' processes per "
                               "1,000 tokens generated: the front end's cost per token."),

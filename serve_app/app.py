@@ -5,6 +5,7 @@ Ray Serve config files point their ``import_path`` here; ``args`` is validated b
 
 from __future__ import annotations
 
+import time
 from typing import Any, cast
 
 from pydantic import ValidationError
@@ -73,4 +74,5 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         max_surge_percent=g.max_surge_percent,
         ray_actor_options={"num_cpus": g.num_cpus,
                            **({"resources": dict(g.resources)} if g.resources else {})},
-    ).bind(cfg.model_dump(mode="json"), handles)
+    # One `created` for the model cards of every gateway replica: when this app was built.
+    ).bind(cfg.model_dump(mode="json"), handles, int(time.time()))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,6 @@ logger = logging.getLogger("ray.serve")
 # passthrough). The gateway owns routing and credentials, so these are refused outright.
 FORBIDDEN_FIELDS = ("api_base", "base_url", "api_key", "extra_headers", "headers", "api_version",
                     "organization", "custom_llm_provider")
-_CREATED = int(time.time())
 
 
 @dataclass
@@ -46,6 +44,7 @@ class GatewayDeps:
     # HAProxy is the front door and stamps each request's arrival (``timing``); behind Ray's
     # proxy actor an X-Request-Start header would be the client's own, never trusted.
     trust_arrival_stamp: bool = False
+    created: int = 0  # the model cards' `created`: when the app was built (the same on every replica)
 
 
 def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> FastAPI:
@@ -128,7 +127,7 @@ def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> F
         limit: int | None = Query(None, ge=1), key: KeyRecord = Depends(authenticate),
         d: GatewayDeps = Depends(get_deps),
     ) -> dict[str, Any]:
-        cards = [_model_card(r) for r in d.router.visible(key)]
+        cards = [_model_card(r, d.created) for r in d.router.visible(key)]
         return {"object": "list", "data": cards[:limit] if limit else cards}
 
     @app.get("/v1/usage")
@@ -142,7 +141,7 @@ def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> F
     async def get_model(
         model: str, key: KeyRecord = Depends(authenticate), d: GatewayDeps = Depends(get_deps)
     ) -> dict[str, Any]:
-        return _model_card(d.router.resolve(model, key))
+        return _model_card(d.router.resolve(model, key), d.created)
 
     for endpoint in ENDPOINTS.values():
         app.add_api_route(endpoint.path, model_route(endpoint), methods=["POST"])
@@ -153,11 +152,11 @@ def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> F
     return app
 
 
-def _model_card(route: Route) -> dict[str, Any]:
+def _model_card(route: Route, created: int) -> dict[str, Any]:
     return {
         "id": route.name,
         "object": "model",
-        "created": _CREATED,
+        "created": created,
         "owned_by": "serve-app",
         "root": route.model_id,
         "parent": None if route.name == route.model_id else route.model_id,

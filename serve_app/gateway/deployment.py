@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,8 @@ NICENESS_EVERY_S = 5.0  # HAProxy is a new process after each reload; threads co
 class Gateway:
     """One unified OpenAI-compatible front door for every model deployment."""
 
-    def __init__(self, app_config: dict[str, Any], handles: dict[str, Any]) -> None:
+    def __init__(self, app_config: dict[str, Any], handles: dict[str, Any],
+                 created: int | None = None) -> None:
         logflush.install()  # warnings and errors reach the replica log at once
         cfg = AppConfig.model_validate(app_config)
         redis_url = cfg.gateway.redis_url
@@ -77,6 +79,7 @@ class Gateway:
             pipeline=Pipeline(cfg, router, self.admission, forwarder, usage),
             usage=usage,
             trust_arrival_stamp=serve_constants.RAY_SERVE_ENABLE_HA_PROXY,
+            created=int(time.time()) if created is None else created,
         )
 
     def __serve_build_asgi_app__(self) -> FastAPI:

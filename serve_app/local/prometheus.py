@@ -116,13 +116,13 @@ class Prometheus:
         binary = find_binary(self.binary) or self.binary
         config = self.write_config()
         self.port = self.port or free_port()
-        log = open(self.workdir / "prometheus.log", "wb")  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={self.workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1d",
-             "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
+        with open(self.workdir / "prometheus.log", "wb") as log:  # the child keeps its own copy
+            self.proc = subprocess.Popen(
+                [binary, f"--config.file={config}", f"--storage.tsdb.path={self.workdir / 'data'}",
+                 f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1d",
+                 "--log.level=warn"],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -117,13 +117,18 @@ class Bridge:
         async def close() -> None:
             if self._server is not None:
                 self._server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            # Let each connection's task run its finally (it closes its sockets).
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self._server is not None:
+                await self._server.wait_closed()
 
         asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        self._loop.close()
         self.socket_path.unlink(missing_ok=True)
 
 

@@ -309,10 +309,10 @@ def test_config_change_while_streams_are_in_flight_fails_none(deployed: Deployed
     assert _engine_seqs(c) == 6
 
     # Key changes still apply within seconds on the new gateway replicas.
-    from loadtests.harness.stack import create_key
+    from serve_app.gateway.keys import create_key
 
     t_key = time.monotonic()
-    secret = create_key(d.keys_file, "after-update", "premium")
+    secret = create_key(d.keys_file, "after-update", "premium", ["*"])
     streak = 0
     while streak < 4:  # twice the gateway replicas in a row: each one has read the file
         r = httpx.get(f"{c.base_url}/models", headers={"Authorization": f"Bearer {secret}"}, timeout=10)
