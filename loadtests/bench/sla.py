@@ -77,6 +77,8 @@ WINDOW_LEAD_S = 5.0
 REQUEST_TIMEOUT_S = 60.0  # one light-client request, head to last byte
 HEALTH_TIMEOUT_S = 10.0
 LOCUST_GRACE_S = 120.0  # locust's start-up and stop on top of -t
+LOCUST_START_S = 90.0  # locust's imports, until it logs RAMP
+RAMP = "Ramping to"  # locust's log line when it starts its users
 PROMETHEUS_WAIT_S = 90.0
 PROGRESS_EVERY_S = 15.0
 
@@ -84,8 +86,9 @@ PROGRESS_EVERY_S = 15.0
 # ---- pure parts ---------------------------------------------------------------------------------
 def parse_users(text: str) -> list[int]:
     """``"12,24"`` -> ``[12, 24]``; each level must be a positive count."""
-    levels = [int(x) for x in text.split(",") if x.strip()]
-    if not levels or any(u <= 0 for u in levels):
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    levels = [int(x) for x in parts if x.isdigit()]
+    if not levels or len(levels) != len(parts) or any(u <= 0 for u in levels):
         raise argparse.ArgumentTypeError(f"--users wants positive counts like 12,24, not {text!r}")
     return levels
 
@@ -287,6 +290,10 @@ def level_markdown(level: Mapping[str, Any], objectives: Mapping[str, Objective]
             f"| {_yn(r['prom_vs_client'])} | {_yn(r['prom_vs_locust'])} | {_yn(r['verdicts_equal'])} "
             f"| {r['locust_requests'] if r['locust_requests'] is not None else '-'} / "
             f"{_ms(r['prom_requests'])} |")
+    locust = level.get("locust") or {}
+    if locust.get("duration_s") is not None:
+        lines += ["", f"Locust ran {locust['duration_s']:.0f} s (exit {level.get('locust_exit')}), "
+                      f"{locust.get('output_tokens_per_s', 0):.0f} output tokens/s."]
     client, health = level.get("client") or {}, level.get("health") or {}
     ct, ch = client.get("ttft") or {}, client.get("head") or {}
     lines += ["",
@@ -491,12 +498,16 @@ async def drive(s: Setup, users: int, log: ClientLog) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
     async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S), limits=limits) as chat, \
             httpx.AsyncClient(timeout=httpx.Timeout(HEALTH_TIMEOUT_S), limits=limits) as probe:
-        t_start = time.time()
         proc = harness.spawn(f"locust -u {users}", locust_argv(s.stack, users, ns.spawn_rate, ns.duration,
                                                                sla_json),
                              s.workdir / f"locust-u{users}.log", env=env)
-        say(f"-u {users}: locust pid {proc.pid} for {ns.duration} s, light client and /health prober "
-            f"every {ns.client_interval:g} s")
+        # The load starts when locust starts its users, seconds after the process (imports).
+        ramp_deadline = time.monotonic() + LOCUST_START_S
+        while proc.alive() and time.monotonic() < ramp_deadline and RAMP not in proc.log_tail(20_000):
+            await asyncio.sleep(0.2)
+        t_start = time.time()
+        say(f"-u {users}: locust pid {proc.pid} started its users for {ns.duration} s; light client and "
+            f"/health prober every {ns.client_interval:g} s")
         workers = [
             asyncio.create_task(every(ns.client_interval, stop, lambda: chat_once(
                 chat, chat_url, s.keys[CLIENT_TIER], rng.choice(s.prompts), ns.client_max_tokens, log),
