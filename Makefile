@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install clients run test lint unit integration bench bench-smoke bench-peers bench-gateway bench-prefix clean
+.PHONY: install clients run test lint unit integration bench bench-smoke bench-peers bench-gateway bench-prefix bench-sla clean
 
 install: $(STAMP)
 
@@ -52,6 +52,11 @@ bench-gateway: install
 # A ~10k-token shared system prompt: TTFT with prefix caching on and off, and per tenant.
 bench-prefix: install
 	$(PY) -m loadtests.bench.prefix
+
+# The README's locust load (-u 12 -r 4, 2 minutes), a light premium client and a /health prober,
+# against Prometheus: per tier, locust's, the client's and Prometheus's TTFT p95, and the stages.
+bench-sla: install
+	$(PY) -m loadtests.bench.sla --users 12 --duration 120
 
 clean:
 	rm -rf $(VENV) .local .pytest_cache

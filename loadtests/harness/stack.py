@@ -342,11 +342,12 @@ class Stack:
         stop(self.proc, say=say)
 
 
-def _launch(config: Path, workdir: Path, log: Path, timeout_s: float) -> Proc:
+def _launch(config: Path, workdir: Path, log: Path, timeout_s: float,
+            run_args: Sequence[str] = ()) -> Proc:
     ready = workdir / "ready.json"
     ready.unlink(missing_ok=True)
     argv = [*CLI, "run", "--config", str(config), "--ready-file", str(ready),
-            "--timeout", str(int(timeout_s))]
+            "--timeout", str(int(timeout_s)), *run_args]
     return spawn("stack (serve-app run)", argv, log)
 
 
@@ -354,9 +355,10 @@ def start_stack(src: Path, workdir: Path, *,
                 keys: Mapping[str, tuple[str, Sequence[str]]] | None = None,
                 edit: EditArgs | None = None, port: int | None = None,
                 timeout_s: float = START_TIMEOUT_S, retries: int = 0, watch: Iterable[Proc] = (),
-                say: Say = _say) -> Stack:
+                run_args: Sequence[str] = (), say: Say = _say) -> Stack:
     """Copy ``src`` into ``workdir`` (free loopback port, private keys file, ``edit`` applied),
-    create ``keys`` (id -> (tier, models)), start ``serve-app run`` and wait until it is ready.
+    create ``keys`` (id -> (tier, models)), start ``serve-app run`` (with ``run_args``, public
+    options such as ``--prometheus``) and wait until it is ready.
 
     Fails fast with the log's tail if the app (or a process in ``watch``) exits first; an app
     that exits during start-up is started again up to ``retries`` times (Ray's own node start-up
@@ -372,8 +374,8 @@ def start_stack(src: Path, workdir: Path, *,
     while True:
         log = workdir / ("stack.log" if attempt == 1 else f"stack-{attempt}.log")
         say(f"starting the app on {HOST}:{port} (log {log})")
-        stack = Stack(workdir=workdir, config=config, proc=_launch(config, workdir, log, timeout_s),
-                      keys=made)
+        stack = Stack(workdir=workdir, config=config,
+                      proc=_launch(config, workdir, log, timeout_s, run_args), keys=made)
         try:
             t = wait_until(stack.ready_file.exists, [stack.proc, *watched], "the app", timeout_s, say)
         except ProcExited as exc:
