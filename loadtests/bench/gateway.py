@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -211,14 +209,10 @@ def markdown(results: dict[int, list[dict[str, Any]]], ns: argparse.Namespace, c
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
-    config = Path(ns.config) if Path(ns.config).is_absolute() else ROOT / ns.config
-    out_dir = Path(ns.results_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = out_dir / f"gateway-{stamp}"
+    run = procs.new_run("gateway", "loadtests.bench.gateway", ns.config, ns.results_dir, argv)
+    config, base, stamp, command = run.config, run.base, run.stamp, run.command
     rng = random.Random(ns.seed)
     results: dict[int, list[dict[str, Any]]] = {}
-    command = " ".join(["python", "-m", "loadtests.bench.gateway", *(argv if argv is not None else sys.argv[1:])])
     for r in ns.replica_counts:
         workdir = Path(tempfile.mkdtemp(prefix="serve-app-gwbench-"))
         procs.say(f"{r} gateway replica(s): starting the stack with a SYNTHETIC upstream")
@@ -245,10 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         k: getattr(ns, k) for k in ("tokens_per_s", "ttft_ms", "output_len", "window_s", "max_added_ms")},
         "results": {str(r): v for r, v in results.items()},
         "capacity": {str(r): capacity(v, ns.max_added_ms) for r, v in results.items()}}
-    base.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
-    base.with_suffix(".md").write_text(md)
-    print("\n" + md, flush=True)
-    procs.say(f"wrote {base.with_suffix('.json')} and {base.with_suffix('.md')}")
+    procs.write_results(base, doc, md)
     return 0
 
 

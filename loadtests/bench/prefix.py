@@ -24,12 +24,12 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from loadtests.bench import procs
 from loadtests.bench.procs import say
 from loadtests.harness import stack as harness
 from loadtests.harness.stack import ROOT
@@ -139,12 +139,8 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
-    config = Path(ns.config) if Path(ns.config).is_absolute() else ROOT / ns.config
-    out_dir = Path(ns.results_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = out_dir / f"prefix-{stamp}"
-    command = " ".join(["python", "-m", "loadtests.bench.prefix", *(argv if argv is not None else sys.argv[1:])])
+    run = procs.new_run("prefix", "loadtests.bench.prefix", ns.config, ns.results_dir, argv)
+    config, base, stamp, command = run.config, run.base, run.stamp, run.command
     workdir = Path(tempfile.mkdtemp(prefix="serve-app-prefix-"))
     stack = harness.start_stack(config, workdir, edit=two_models_edit, retries=1, say=say,
                                 keys={"tenant-a": (TIER, ["*"]), "tenant-b": (TIER, ["*"])})
@@ -175,10 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"command": command, "timestamp": stamp, "system_tokens": n_tokens, "max_tokens": ns.max_tokens,
            "caching": caching, "tenants": tenants}
     md = markdown(doc)
-    base.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
-    base.with_suffix(".md").write_text(md)
-    print("\n" + md, flush=True)
-    say(f"wrote {base.with_suffix('.json')} and {base.with_suffix('.md')}")
+    procs.write_results(base, doc, md)
     return 0
 
 

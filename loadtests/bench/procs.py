@@ -1,6 +1,7 @@
 """Processes for the benchmark: direct vLLM, CPU accounting of a process tree, and finding a
 running stack's Ray cluster. Starting and stopping processes (and the stack) is loadtests.harness.stack's
-job; nothing here stops a process.
+job; nothing here stops a process. Also where every benchmark run writes its results (``new_run``,
+``write_results``).
 """
 
 from __future__ import annotations
@@ -9,15 +10,48 @@ import ipaddress
 import json
 import os
 import sys
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from loadtests.harness.stack import Proc, all_pids, cmdline, descendants, proc_stat, spawn
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def say(msg: str) -> None:
     print(f"[bench] {msg}", flush=True)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One benchmark run: its config file, where its results go (``base`` plus .json/.md), its
+    timestamp and the command that made it (printed in the report)."""
+
+    config: Path
+    base: Path
+    stamp: str
+    command: str
+
+
+def new_run(kind: str, module: str, config: str, results_dir: str, argv: list[str] | None) -> Run:
+    """The run of ``python -m module`` with ``argv``: a relative config is the repo's."""
+    path = Path(config) if Path(config).is_absolute() else ROOT / config
+    out_dir = Path(results_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    command = " ".join(["python", "-m", module, *(argv if argv is not None else sys.argv[1:])])
+    return Run(path, out_dir / f"{kind}-{stamp}", stamp, command)
+
+
+def write_results(base: Path, doc: dict[str, Any], md: str) -> None:
+    """The run's JSON and markdown beside each other, and the markdown on the console."""
+    base.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+    base.with_suffix(".md").write_text(md)
+    print("\n" + md, flush=True)
+    say(f"wrote {base.with_suffix('.json')} and {base.with_suffix('.md')}")
 
 
 def require_loopback(url: str) -> None:

@@ -45,7 +45,6 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,7 @@ import httpx
 import orjson
 
 from dashboards.promql import PromQL
+from loadtests.bench import procs
 from loadtests.bench.procs import require_loopback, say
 from loadtests.harness import stack as harness
 from loadtests.harness.stack import ROOT, Stack
@@ -676,12 +676,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     if shutil.which("prometheus") is None:
         raise SystemExit("prometheus is not installed (sudo bash scripts/system-deps.sh installs it)")
-    config = Path(ns.config) if Path(ns.config).is_absolute() else ROOT / ns.config
-    out_dir = Path(ns.results_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = out_dir / f"sla-{stamp}"
-    command = " ".join(["python", "-m", "loadtests.bench.sla", *(argv if argv is not None else sys.argv[1:])])
+    run = procs.new_run("sla", "loadtests.bench.sla", ns.config, ns.results_dir, argv)
+    config, base, stamp, command = run.config, run.base, run.stamp, run.command
     objectives = {t: o for t, o in read_objectives(config).items() if t in TIERS}
     missing = [t for t in TIERS if t not in objectives]
     if missing:
@@ -711,10 +707,7 @@ def main(argv: list[str] | None = None) -> int:
                "levels": levels, "workdir": str(workdir)}
         if levels:
             md = markdown(doc)
-            base.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
-            base.with_suffix(".md").write_text(md)
-            print("\n" + md, flush=True)
-            say(f"wrote {base.with_suffix('.json')} and {base.with_suffix('.md')}")
+            procs.write_results(base, doc, md)
     return 0
 
 
