@@ -47,52 +47,55 @@ class GatewayDeps:
     created: int = 0  # the model cards' `created`: when the app was built (the same on every replica)
 
 
+async def get_deps(request: Request) -> GatewayDeps:
+    """The replica's collaborators (``build_api`` puts them on the app; tests swap them)."""
+    return request.app.state.deps  # type: ignore[no-any-return]
+
+async def authenticate(request: Request, d: GatewayDeps = Depends(get_deps)) -> KeyRecord:
+    """The key the request authenticates with (Bearer or x-api-key), or 401."""
+    # async: FastAPI would run a sync dependency in a thread pool, a hop on every request.
+    token = request_key(request.headers)
+    if token is None:
+        raise errors.AuthenticationFailed(
+            "Missing or malformed API key. Send the header 'Authorization: Bearer <key>' "
+            "or 'x-api-key: <key>'."
+        )
+    key = d.keys.lookup(token)
+    if key is None:
+        raise errors.AuthenticationFailed("Incorrect API key provided.")
+    return key
+
+async def read_json(request: Request, d: GatewayDeps) -> tuple[dict[str, Any], int]:
+    """The JSON object body and its size in bytes."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise errors.UnsupportedMediaType(
+            f"Content-Type must be application/json, not {ctype[:64] or 'missing'!r}"
+        )
+    limit = d.cfg.gateway.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise errors.PayloadTooLarge(f"request body is over the limit of {limit} bytes")
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > limit:
+            raise errors.PayloadTooLarge(f"request body is over the limit of {limit} bytes")
+    body = parse_body(bytes(raw))
+    for name in FORBIDDEN_FIELDS:
+        if name in body:
+            raise errors.InvalidRequest(
+                f"'{name}' is not accepted: this gateway chooses the upstream and its credentials",
+                param=name,
+            )
+    return body, len(raw)
+
+
 def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> FastAPI:
     """The gateway's routes over ``deps``; ``lifespan`` runs at the replica's start and stop."""
     app = FastAPI(title="serve-app gateway", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
     app.state.deps = deps
-
-    async def get_deps(request: Request) -> GatewayDeps:
-        return request.app.state.deps  # type: ignore[no-any-return]
-
-    async def authenticate(request: Request, d: GatewayDeps = Depends(get_deps)) -> KeyRecord:
-        # async: FastAPI would run a sync dependency in a thread pool, a hop on every request.
-        token = request_key(request.headers)
-        if token is None:
-            raise errors.AuthenticationFailed(
-                "Missing or malformed API key. Send the header 'Authorization: Bearer <key>' "
-                "or 'x-api-key: <key>'."
-            )
-        key = d.keys.lookup(token)
-        if key is None:
-            raise errors.AuthenticationFailed("Incorrect API key provided.")
-        return key
-
-    async def read_json(request: Request, d: GatewayDeps) -> tuple[dict[str, Any], int]:
-        """The JSON object body and its size in bytes."""
-        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype != "application/json":
-            raise errors.UnsupportedMediaType(
-                f"Content-Type must be application/json, not {ctype[:64] or 'missing'!r}"
-            )
-        limit = d.cfg.gateway.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise errors.PayloadTooLarge(f"request body is over the limit of {limit} bytes")
-        raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > limit:
-                raise errors.PayloadTooLarge(f"request body is over the limit of {limit} bytes")
-        body = parse_body(bytes(raw))
-        for name in FORBIDDEN_FIELDS:
-            if name in body:
-                raise errors.InvalidRequest(
-                    f"'{name}' is not accepted: this gateway chooses the upstream and its credentials",
-                    param=name,
-                )
-        return body, len(raw)
 
     def model_route(endpoint: Endpoint) -> Any:
         """The generic route of a model endpoint: read the JSON body, hand it to the pipeline."""
