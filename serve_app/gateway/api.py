@@ -51,6 +51,7 @@ async def get_deps(request: Request) -> GatewayDeps:
     """The replica's collaborators (``build_api`` puts them on the app; tests swap them)."""
     return request.app.state.deps  # type: ignore[no-any-return]
 
+
 async def authenticate(request: Request, d: GatewayDeps = Depends(get_deps)) -> KeyRecord:
     """The key the request authenticates with (Bearer or x-api-key), or 401."""
     # async: FastAPI would run a sync dependency in a thread pool, a hop on every request.
@@ -64,6 +65,7 @@ async def authenticate(request: Request, d: GatewayDeps = Depends(get_deps)) -> 
     if key is None:
         raise errors.AuthenticationFailed("Incorrect API key provided.")
     return key
+
 
 async def read_json(request: Request, d: GatewayDeps) -> tuple[dict[str, Any], int]:
     """The JSON object body and its size in bytes."""
