@@ -53,10 +53,10 @@ bench-gateway: install
 bench-prefix: install
 	$(PY) -m loadtests.bench.prefix
 
-# The README's locust load (-u 12 -r 4, 2 minutes), a light premium client and a /health prober,
+# The README's locust load (-u 12 and 24, -r 4, 2 minutes each), a light premium client and a /health prober,
 # against Prometheus: per tier, locust's, the client's and Prometheus's TTFT p95, and the stages.
 bench-sla: install
-	$(PY) -m loadtests.bench.sla --users 12 --duration 120
+	$(PY) -m loadtests.bench.sla --users 12,24 --duration 120
 
 clean:
 	rm -rf $(VENV) .local .pytest_cache
