@@ -27,7 +27,7 @@ class Status:
     """One reading of Ray Serve's status for this gateway's application."""
 
     running: Mapping[str, int] = field(default_factory=dict)  # model id -> RUNNING replicas
-    deleting: bool = False  # the app is being deleted (or is gone): the gateway drains
+    deleting: bool = False  # the app is DELETING: the gateway drains (and never undrains)
 
 
 Fetch = Callable[[], Status]
@@ -42,8 +42,10 @@ def serve_status_fetch(deployments: Mapping[str, str]) -> Fetch:
 
         app_name = serve.get_replica_context().app_name
         app = serve.status().applications.get(app_name)
-        if app is None:  # deleted already: its replicas are being stopped
-            return Status(deleting=True)
+        if app is None:
+            # Not listed (a controller that is recovering may answer with no applications): no
+            # news. A deletion shows as DELETING for as long as this replica lives (its drain).
+            return Status()
         running: dict[str, int] = {}
         for model_id, name in deployments.items():
             d = app.deployments.get(name)
