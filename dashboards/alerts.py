@@ -27,7 +27,9 @@ def _p95(metric: str, tier: str) -> str:
             f"[{WINDOW}])))")
 
 
-def rules(cfg: AppConfig) -> dict[str, Any]:
+def rules(cfg: AppConfig, sustained: str = SUSTAINED) -> dict[str, Any]:
+    """The rule file for ``cfg``; ``sustained`` is how long a tier must stay over an objective
+    (a test shortens it to see the alert fire)."""
     slo: list[dict[str, Any]] = []
     for name, tier in sorted(cfg.tiers.items(), key=lambda kv: kv[1].priority):
         o = tier.objectives
@@ -36,13 +38,13 @@ def rules(cfg: AppConfig) -> dict[str, Any]:
             slo.append({
                 "alert": f"Tier{kind}P95OverObjective",
                 "expr": f"{_p95(metric, name)} > {objective_s:g}",
-                "for": SUSTAINED,
+                "for": sustained,
                 "labels": {"severity": "warning", "tier": name},
                 "annotations": {
                     "summary": f"Tier {name}: {kind} p95 over its {objective_s:g} s objective",
                     "description": f"{kind} p95 of {{{{ $labels.model }}}} for tier {name} is "
                                    f"{{{{ $value | humanizeDuration }}}} (objective {objective_s:g} s) "
-                                   f"for {SUSTAINED}.",
+                                   f"for {sustained}.",
                 },
             })
     top = top_tier(cfg)
