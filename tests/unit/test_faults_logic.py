@@ -38,7 +38,9 @@ def test_a_request_to_a_model_with_no_running_replica_is_held_then_refused() -> 
         return time.monotonic() - t0
 
     took = asyncio.run(main())
-    assert 0.3 <= took < 0.6
+    # Held for the whole hold (a wall-clock fact: asyncio waits real time), then refused rather
+    # than left hanging; the upper bound only has to tell "refused" from "hung" on a busy machine.
+    assert 0.3 <= took < 2.0
 
 
 def test_a_slow_answer_from_a_healthy_model_is_never_cut() -> None:
