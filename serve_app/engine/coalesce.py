@@ -42,6 +42,16 @@ def to_sse(event: Any) -> str:
     return f"event: {kind}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n"
 
 
+def _completed_usage(event: str) -> dict[str, Any] | None:
+    """``response.usage`` of a Responses ``response.completed`` SSE event."""
+    try:
+        data = event.split("data: ", 1)[1]
+        usage = json.loads(data)["response"]["usage"]
+        return usage if isinstance(usage, dict) else None
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
 def _usage_of(event: str) -> dict[str, Any] | None:
     try:
         usage = json.loads(event.removeprefix("data: "))["usage"]
@@ -125,6 +135,9 @@ class Coalescer:
                 self._usage = _usage_of(item)
                 if not self._wants_usage:
                     item = ""
+            elif item.startswith("event: response.completed"):
+                # The Responses API's last event carries the engine's counts (input/output names).
+                self._usage = _completed_usage(item) or self._usage
             if item:
                 parts.append(item.encode())
             if self._queue.empty():
