@@ -13,6 +13,7 @@ from ray.serve import Application
 from ray.serve.deployment import Deployment
 
 from serve_app.config import AppConfig, ModelConfig, format_validation_error
+from serve_app.engine.autoscale import autoscaling_options, top_tier_objective_s
 from serve_app.engine.deployment import ModelServer
 from serve_app.engine.placement import actor_options, placement_bundles, placement_strategy
 from serve_app.gateway.deployment import Gateway
@@ -31,7 +32,9 @@ def parse_args(args: dict[str, Any] | AppConfig) -> AppConfig:
         raise ValueError("invalid app config:\n" + format_validation_error(exc)) from None
 
 
-def model_deployment_options(m: ModelConfig) -> dict[str, Any]:
+def model_deployment_options(m: ModelConfig, objective_s: float | None = None) -> dict[str, Any]:
+    """Ray Serve's options for model ``m``; ``objective_s`` (the top tier's TTFT objective) is
+    needed when the model autoscales on it (``autoscaling_config.objective_policy``)."""
     d = m.deployment
     opts: dict[str, Any] = {
         "name": m.deployment_name,
@@ -46,7 +49,7 @@ def model_deployment_options(m: ModelConfig) -> dict[str, Any]:
         "placement_group_strategy": placement_strategy(m),
     }
     if d.autoscaling_config is not None:
-        opts["autoscaling_config"] = d.autoscaling_config.model_dump(exclude_none=True)
+        opts["autoscaling_config"] = autoscaling_options(d.autoscaling_config, objective_s)
     else:
         opts["num_replicas"] = d.replicas
     return opts
@@ -58,7 +61,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     model_server = cast(Deployment, ModelServer)
     gateway = cast(Deployment, Gateway)
     handles = {
-        m.id: model_server.options(**model_deployment_options(m)).bind(
+        m.id: model_server.options(**model_deployment_options(m, top_tier_objective_s(cfg))).bind(
             m.model_dump(mode="json"), cfg.cache_dir, cfg.top_priority
         )
         for m in cfg.models

@@ -64,6 +64,44 @@ class EngineArgs(_Strict):
         return self
 
 
+class ObjectivePolicyConfig(_Strict):
+    """Autoscaling on the top tier's TTFT objective (``serve_app.engine.autoscale``) rather than on
+    ongoing requests alone. Each threshold is a fraction of the top-priority tier's
+    ``objectives.ttft_p95_ms``; the p95s are over each replica's last ``window_s``."""
+
+    up_at: float = Field(
+        default=0.8, gt=0.0, le=1.0,
+        description="Add a replica once the top tier's TTFT p95 reaches this fraction of its "
+        "objective (held for upscale_delay_s).",
+    )
+    wait_up_at: float = Field(
+        default=0.5, gt=0.0, le=1.0,
+        description="Or once its wait before the engine starts it (the gateway's queue and Ray "
+        "Serve's) reaches this fraction of the objective, or keeps rising past half of it.",
+    )
+    down_at: float = Field(
+        default=0.5, gt=0.0, lt=1.0,
+        description="Remove a replica only while the TTFT p95 and the wait stay under this "
+        "fraction (for downscale_delay_s), and the ongoing requests fit one replica fewer below "
+        "the load that last made the tier miss (hysteresis).",
+    )
+    window_s: PositiveFloat = Field(
+        default=30.0,
+        description="Each replica's p95s cover the requests of this many seconds; after a change "
+        "of replicas the policy waits this long, so the p95s describe the new count.",
+    )
+    min_samples: PositiveInt = Field(
+        default=10,
+        description="Top-tier requests a replica needs in its window for its p95 to count.",
+    )
+
+    @model_validator(mode="after")
+    def _down_below_up(self) -> ObjectivePolicyConfig:
+        if self.down_at >= self.up_at:
+            raise ValueError(f"down_at ({self.down_at}) must be < up_at ({self.up_at})")
+        return self
+
+
 class AutoscalingConfig(_Strict):
     """The subset of Ray Serve's autoscaling config we expose, with its own rules checked early."""
 
@@ -75,6 +113,12 @@ class AutoscalingConfig(_Strict):
     downscale_delay_s: float = Field(default=600.0, ge=0)
     metrics_interval_s: PositiveFloat = 10.0
     look_back_period_s: PositiveFloat = 30.0
+    objective_policy: ObjectivePolicyConfig | None = Field(
+        default=None,
+        description="Scale on the top tier's TTFT and wait against its objective "
+        "(serve_app/engine/autoscale.py); upscale_delay_s and downscale_delay_s become its holds. "
+        "None keeps Ray Serve's policy on target_ongoing_requests.",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingConfig:

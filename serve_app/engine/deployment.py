@@ -17,6 +17,7 @@ from typing import Any, cast
 from ray import serve
 
 from serve_app.config import ModelConfig
+from serve_app.engine.autoscale import TopTierWindow
 from serve_app.engine.backend import Backend
 from serve_app.engine.server import EngineServer
 from serve_app.engine.sources import resolve_source
@@ -42,6 +43,11 @@ class ModelServer:
         self.cfg = ModelConfig.model_validate(model)
         self.watch = LoopWatch(ProcessMetrics.for_this_replica("model"))
         self.watch.start()
+        auto = self.cfg.deployment.autoscaling_config
+        objective = auto.objective_policy if auto is not None else None
+        # The top tier's TTFT and wait, for autoscale.ObjectivePolicy (record_autoscaling_stats).
+        self.top_tier = (TopTierWindow(top_priority, objective.window_s)
+                         if objective is not None else None)
         self.server: Backend
         if self.cfg.synthetic is not None:  # no engine: made-up tokens for gateway benchmarks
             self.server = SyntheticServer(self.cfg)
@@ -61,11 +67,21 @@ class ModelServer:
         carries when this replica started the request and had its first item (``Head.timing``),
         so the gateway can tell Ray Serve's queue from the engine's time."""
         start = time.time()
-        items = self.server.handle(ENDPOINTS[endpoint], body, RequestContext.from_dict(ctx))
-        async for item in items:
-            if isinstance(item, dict) and "status" in item:  # the head (a Trailer has no status)
-                cast(Head, item)["timing"] = {"start": start, "first": time.time()}
-            yield item
+        context = RequestContext.from_dict(ctx)
+        track = (self.top_tier.begin(context, body.get("stream") is True, start)
+                 if self.top_tier is not None else None)
+        try:
+            async for item in self.server.handle(ENDPOINTS[endpoint], body, context):
+                if isinstance(item, dict) and "status" in item:  # the head (a Trailer has no status)
+                    h = cast(Head, item)
+                    h["timing"] = {"start": start, "first": time.time()}
+                    if self.top_tier is not None:
+                        self.top_tier.first(track, h["timing"]["first"],
+                                            h["status"] == 200 and h["stream"])
+                yield item
+        finally:
+            if self.top_tier is not None:
+                self.top_tier.end(track)
 
     async def stats(self) -> dict[str, Any]:
         """Engine facts for operators and tests: requests the engine holds, those waiting in this
@@ -73,6 +89,11 @@ class ModelServer:
         has made for streamed requests since the replica started."""
         return {"model": self.cfg.id, "max_num_seqs": self.cfg.engine.max_num_seqs,
                 **self.server.diagnostics()}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's hook for custom autoscaling metrics (autoscale.ObjectivePolicy reads them):
+        the top tier's TTFT and wait p95 over the window; nothing when that policy is off."""
+        return self.top_tier.stats() if self.top_tier is not None else {}
 
     async def check_health(self) -> None:
         # Raises (a plain RuntimeError) when the engine core died; Ray Serve then replaces this
