@@ -9,7 +9,8 @@ How the signal gets to the policy (the simplest correct route). The policy runs 
 controller and sees, per deployment, ``AutoscalingContext``: replica counts, ongoing requests, and
 the custom metrics each replica returns from ``record_autoscaling_stats`` (Ray 2.60 calls it every
 ``min(look_back_period_s / 5, metrics_interval_s)`` and pushes the series every
-``metrics_interval_s``). The model replica already has every fact needed, because the gateway sends
+``metrics_interval_s``, 10 s by default; Ray marks that field deprecated in favour of
+``RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S``, which 2.60 does not read yet). The model replica already has every fact needed, because the gateway sends
 them with each request (``protocol.RequestContext``): the tier's ``priority`` and the front door's
 ``arrival`` stamp. So the replica measures, for the top tier's streams, from that arrival:
 
@@ -246,7 +247,9 @@ def decide(p: Params, s: Signals, r: Replicas, target_ongoing: float | None,
 
 
 def _done(st: dict[str, Any], target: int, replicas: int, reason: str) -> Decision:
-    st["last_target"] = target if replicas == target else replicas
+    st["last_target"] = replicas
+    if replicas != target:  # settle once the replicas follow, however fast they do
+        st["changing"] = True
     return Decision(replicas, st, reason)
 
 
