@@ -117,6 +117,7 @@ class TopTierWindow:
         if ok:
             arrival, start = entry
             self._done.append((at, max(0.0, at - arrival), start - arrival))
+            self._trim(at)  # bounded even if Ray stopped asking for stats
 
     def end(self, token: int | None) -> None:
         """The request is over; one that never had a head (cancelled, failed) stops counting."""
@@ -126,14 +127,17 @@ class TopTierWindow:
     def stats(self) -> dict[str, float]:
         """The p95 TTFT and wait of the window's top-tier streams, and how many there were."""
         now = self.clock()
-        while self._done and self._done[0][0] < now - self.window_s:
-            self._done.popleft()
+        self._trim(now)
         ttfts = [t for _, t, _ in self._done]
         waits = [w for _, _, w in self._done]
         for arrival, start in self._waiting.values():  # lower bounds of what they will be
             ttfts.append(max(0.0, now - arrival))
             waits.append(start - arrival)
         return {TTFT_METRIC: p95(ttfts), WAIT_METRIC: p95(waits), COUNT_METRIC: float(len(ttfts))}
+
+    def _trim(self, now: float) -> None:
+        while self._done and self._done[0][0] < now - self.window_s:
+            self._done.popleft()
 
 
 # ---- in the controller: the policy ---------------------------------------------------------------
