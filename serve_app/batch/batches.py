@@ -226,6 +226,7 @@ class BatchStore(Protocol):
     async def load(self, batch_id: str) -> Batch | None: ...
     async def owned(self, owner: str) -> list[Batch]: ...
     async def active(self) -> list[str]: ...
+    async def recent(self, limit: int) -> list[Batch]: ...
     async def request_cancel(self, batch_id: str) -> None: ...
     async def cancel_requested(self, batch_id: str) -> bool: ...
     async def claim(self, batch_id: str, holder: str, lease_s: float) -> bool: ...
@@ -266,6 +267,9 @@ class FileBatchStore:
     async def owned(self, owner: str) -> list[Batch]:
         found = [b for b in self._all() if b.owner == owner]
         return sorted(found, key=lambda b: (b.created_at, b.id), reverse=True)
+
+    async def recent(self, limit: int) -> list[Batch]:
+        return sorted(self._all(), key=lambda b: (b.created_at, b.id), reverse=True)[:limit]
 
     async def active(self) -> list[str]:
         live = sorted((b for b in self._all() if not b.done), key=lambda b: (b.created_at, b.id))
@@ -356,6 +360,7 @@ class RedisBatchStore:
         pipe = self._redis.pipeline(transaction=True)
         pipe.set(_PREFIX + batch.id, batch.to_json())
         pipe.zadd(f"{_PREFIX}owner:{batch.owner}", {batch.id: batch.created_at})
+        pipe.zadd(f"{_PREFIX}all", {batch.id: batch.created_at})
         if batch.done:
             pipe.srem(_PREFIX + "active", batch.id)
         else:
@@ -369,7 +374,13 @@ class RedisBatchStore:
         return None if raw is None else Batch.from_json(raw)
 
     async def owned(self, owner: str) -> list[Batch]:
-        ids = await self._redis.zrevrange(f"{_PREFIX}owner:{owner}", 0, -1)
+        return await self._listed(f"{_PREFIX}owner:{owner}", -1)
+
+    async def recent(self, limit: int) -> list[Batch]:
+        return await self._listed(f"{_PREFIX}all", limit - 1)
+
+    async def _listed(self, index: str, last: int) -> list[Batch]:
+        ids = await self._redis.zrevrange(index, 0, last)
         if not ids:
             return []
         raws = await self._redis.mget([_PREFIX + _text(i) for i in ids])

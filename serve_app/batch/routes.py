@@ -88,24 +88,27 @@ def _list(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
             "last_id": page[-1]["id"] if page else None, "has_more": len(data) > limit}
 
 
-async def _form(request: Request, limit: int) -> tuple[UploadFile, str]:
-    """The multipart upload's ``file`` and ``purpose``; 413 past ``limit`` bytes (counted as they
-    arrive, so a chunked upload is stopped too), 400 when a part is missing."""
+async def _form(request: Request, limit: int) -> tuple[bytes, str, str]:
+    """The multipart upload's ``file`` (its bytes and name) and ``purpose``; 413 past ``limit``
+    bytes (counted as they arrive, so a chunked upload is stopped too), 400 when a part is
+    missing."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "multipart/form-data":
         raise errors.UnsupportedMediaType(
             f"Content-Type must be multipart/form-data, not {ctype[:64] or 'missing'!r}")
+    too_large = errors.PayloadTooLarge(f"file is over the limit of {limit} bytes")
+    bound = limit + 64 * 1024  # the form's own fields and boundaries are small
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit + 64 * 1024:
-        raise errors.PayloadTooLarge(f"file is over the limit of {limit} bytes")
+    if declared.isdigit() and int(declared) > bound:
+        raise too_large
     seen = 0
 
     async def receive() -> Message:
         nonlocal seen
         msg = await request.receive()
         seen += len(msg.get("body", b""))
-        if seen > limit + 64 * 1024:  # the form's own fields and boundaries are small
-            raise errors.PayloadTooLarge(f"file is over the limit of {limit} bytes")
+        if seen > bound:
+            raise too_large
         return msg
 
     try:
@@ -114,14 +117,18 @@ async def _form(request: Request, limit: int) -> tuple[UploadFile, str]:
         raise
     except Exception:  # starlette's MultiPartException, a broken boundary
         raise errors.InvalidRequest("the body is not a valid multipart form") from None
-    upload, purpose = form.get("file"), form.get("purpose")
-    if not isinstance(upload, UploadFile):
-        raise errors.InvalidRequest("the form has no 'file' part", param="file")
-    if not isinstance(purpose, str) or purpose != "batch":
-        raise errors.InvalidRequest(
-            f"purpose must be 'batch', not {str(purpose)[:40]!r}: this gateway keeps files for "
-            "the Batch API only", param="purpose")
-    return upload, purpose
+    try:
+        upload, purpose = form.get("file"), form.get("purpose")
+        if not isinstance(upload, UploadFile):
+            raise errors.InvalidRequest("the form has no 'file' part", param="file")
+        if not isinstance(purpose, str) or purpose != "batch":
+            raise errors.InvalidRequest(
+                f"purpose must be 'batch', not {str(purpose)[:40]!r}: this gateway keeps files "
+                "for the Batch API only", param="purpose")
+        data = await upload.read()
+        return data, (upload.filename or "upload.jsonl")[:256], purpose
+    finally:
+        await form.close()
 
 
 async def _json(request: Request, limit: int) -> dict[str, Any]:
@@ -151,8 +158,7 @@ def batch_router(authenticate: Authenticate) -> APIRouter:
                           key: KeyRecord = Depends(authenticate)) -> dict[str, Any]:
         s = svc(request)
         limit = s.cfg.gateway.batch.max_file_bytes
-        upload, purpose = await _form(request, limit)
-        data = await upload.read()
+        data, name, purpose = await _form(request, limit)
         if len(data) > limit:
             raise errors.PayloadTooLarge(f"file is over the limit of {limit} bytes")
         if not data.strip():
@@ -161,7 +167,6 @@ def batch_router(authenticate: Authenticate) -> APIRouter:
             data.decode("utf-8")
         except UnicodeDecodeError:
             raise errors.InvalidRequest("the file must be UTF-8 JSON lines", param="file") from None
-        name = (upload.filename or "upload.jsonl")[:256]
         return await asyncio.to_thread(s.files.create, key.tenant_id, name, purpose, data)
 
     @r.get("/v1/files")

@@ -103,6 +103,7 @@ class BatchRunner:
         self.running: dict[str, asyncio.Task[None]] = {}
         self._loop_task: asyncio.Task[None] | None = None
         self._pending: dict[str, int] = {}
+        self._writes: set[asyncio.Future[None]] = set()  # appends under way (``_append``)
 
     # ---- the replica's loop ----------------------------------------------------------------------
     def start(self) -> None:
@@ -310,8 +311,12 @@ class BatchRunner:
         return key.model_copy(update={"tier": self.tier})
 
     async def _append(self, f: ResultFile, record: dict[str, Any]) -> None:
-        # In a thread (fsync), shielded: a cancelled line is either written whole or not at all.
-        await asyncio.shield(asyncio.to_thread(f.append, record))
+        # In a thread (fsync), shielded: a cancelled line is written whole, and counted once
+        # ``_finish`` has waited for it.
+        write = asyncio.ensure_future(asyncio.to_thread(f.append, record))
+        self._writes.add(write)
+        write.add_done_callback(self._writes.discard)
+        await asyncio.shield(write)
 
     async def _fail(self, b: Batch, code: str, message: str) -> None:
         b.errors = [{"code": code, "message": message, "param": "input_file_id", "line": None}]
@@ -320,6 +325,7 @@ class BatchRunner:
 
     async def _finish(self, b: Batch, out: ResultFile, err: ResultFile, final: str) -> None:
         """Register the result files and take the batch to ``final``."""
+        await asyncio.gather(*self._writes)
         if b.status == "in_progress":
             b.move("finalizing", self.clock())
             await self.store.save(b)

@@ -159,6 +159,15 @@ class Gateway:
             },
         }
 
+    async def batches(self, limit: int = 20) -> list[dict[str, Any]]:
+        """The latest batches of every tenant, for operators (serve-app diagnose): status, counts,
+        and which runner of this replica holds them."""
+        recent = await self.batch_runner.store.recent(limit)
+        return [{"id": b.id, "status": b.status, "endpoint": b.endpoint, "tenant": b.owner,
+                 "key_id": b.key_id, "created_at": b.created_at, "total": b.total,
+                 "completed": b.completed, "failed": b.failed,
+                 "running_here": b.id in self.batch_runner.running} for b in recent]
+
     def __del__(self) -> None:
         replicas = getattr(self, "replicas", None)  # absent if the constructor failed early
         if replicas is not None:
