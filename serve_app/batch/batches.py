@@ -129,12 +129,12 @@ def check_create(body: dict[str, Any]) -> tuple[str, str, str, dict[str, str] | 
     if not isinstance(file_id, str) or not file_id:
         raise errors.InvalidRequest("input_file_id must be a file id", param="input_file_id")
     endpoint = body.get("endpoint")
-    if endpoint not in ENDPOINTS:
+    if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:
         raise errors.InvalidRequest(
             f"endpoint must be one of {sorted(ENDPOINTS)}, not {str(endpoint)[:80]!r}",
             param="endpoint")
     window = body.get("completion_window")
-    if window not in COMPLETION_WINDOWS:
+    if not isinstance(window, str) or window not in COMPLETION_WINDOWS:
         raise errors.InvalidRequest(
             f"completion_window must be one of {sorted(COMPLETION_WINDOWS)}, "
             f"not {str(window)[:80]!r}", param="completion_window")
@@ -147,7 +147,7 @@ def check_create(body: dict[str, Any]) -> tuple[str, str, str, dict[str, str] | 
         raise errors.InvalidRequest(
             f"metadata must be at most {MAX_METADATA} string pairs (keys up to 64 characters, "
             "values up to 512)", param="metadata")
-    return file_id, str(endpoint), str(window), metadata
+    return file_id, endpoint, window, metadata
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,8 @@ def test_malformed_lines_do_not_fail_the_batch() -> None:
 @pytest.mark.parametrize(("body", "param"), [
     ({"endpoint": URL, "completion_window": "24h"}, "input_file_id"),
     ({"input_file_id": "f", "endpoint": "/v1/completions", "completion_window": "24h"}, "endpoint"),
+    ({"input_file_id": "f", "endpoint": [URL], "completion_window": "24h"}, "endpoint"),
+    ({"input_file_id": "f", "endpoint": URL, "completion_window": {}}, "completion_window"),
     ({"input_file_id": "f", "endpoint": URL, "completion_window": "1h"}, "completion_window"),
     ({"input_file_id": "f", "endpoint": URL, "completion_window": "24h", "metadata": {"a": 1}},
      "metadata"),
