@@ -227,6 +227,8 @@ class BatchRunner:
                 line = pending.popleft()
                 await self._line(b, line, key, endpoint, out, err)
 
+        if not pending:
+            return
         workers = [asyncio.create_task(worker())
                    for _ in range(min(self.bcfg.concurrency, len(pending)))]
         try:
@@ -284,6 +286,10 @@ class BatchRunner:
                 wait = float(exc.headers.get("Retry-After", "0") or 0)
             except errors.ServeAppError as exc:
                 status, body, wait = exc.status, json.dumps(exc.to_body()).encode(), 0.0
+            except Exception:  # a bug of ours: this line fails, the batch goes on
+                logger.exception("batch %s: line %s failed", b.id, line.custom_id)
+                err_500 = errors.InternalError("The server had an error processing the request.")
+                status, body, wait = 500, json.dumps(err_500.to_body()).encode(), 0.0
             if status in (429, 503):
                 if self.metrics is not None:
                     self.metrics.line_done(key_id=key_id, endpoint=b.endpoint, outcome="retried")

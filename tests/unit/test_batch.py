@@ -405,3 +405,12 @@ def test_batch_tier_defaults_to_the_lowest_priority() -> None:
         AppConfig.model_validate({"models": [{"id": "m", "source": "x"}],
                                   "gateway": {"batch": {"tier": "nope"}}})
 
+
+
+def test_a_batch_of_only_malformed_lines_completes(tmp_path: Path) -> None:
+    runner, service, batch_id = _setup(tmp_path, b"{x\n" + line("a", method="GET"), FakePipeline())
+    asyncio.run(runner.run_batch(batch_id))
+    got = asyncio.run(service.get_batch(KEY, batch_id))
+    assert got["status"] == "completed" and got["output_file_id"] is None
+    assert got["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
+    assert len(_results(runner, got["error_file_id"])) == 2
