@@ -18,7 +18,9 @@ from serve_app import errors
 from serve_app.batch.batches import (
     BadTransition,
     Batch,
+    BatchStore,
     FileBatchStore,
+    RedisBatchStore,
     check_create,
     parse_input,
     parse_line,
@@ -156,23 +158,33 @@ def test_files_belong_to_their_owner(tmp_path: Path) -> None:
         store.content_path("alice", f["id"])
 
 
-def test_file_store_lease_is_exclusive_and_lapses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["files", "redis"])
+def test_store_lease_is_exclusive_and_lapses(kind: str, tmp_path: Path,
+                                             request: pytest.FixtureRequest) -> None:
     async def go() -> None:
-        store = FileBatchStore(tmp_path)
-        await store.save(_batch())
-        assert await store.active() == ["batch-1"]
-        assert await store.claim("batch-1", "a", 0.2)
-        assert not await store.claim("batch-1", "b", 0.2)
-        assert await store.claim("batch-1", "a", 0.2)  # renewal
+        store: BatchStore = (FileBatchStore(tmp_path) if kind == "files"
+                             else RedisBatchStore(request.getfixturevalue("redis_url")))
+        b = _batch(id=f"batch-{kind}-{time.time_ns()}")
+        await store.save(b)
+        assert await store.load(b.id) == b and b.id in await store.active()
+        assert b.id in [x.id for x in await store.owned("owner")]
+        assert b.id in [x.id for x in await store.recent(100)]
+        assert await store.claim(b.id, "a", 0.2)
+        assert not await store.claim(b.id, "b", 0.2)
+        assert await store.claim(b.id, "a", 0.2)  # renewal
         await asyncio.sleep(0.3)
-        assert await store.claim("batch-1", "b", 5)  # a's lease lapsed
-        await store.release("batch-1", "a")  # not a's to release
-        assert not await store.claim("batch-1", "a", 5)
-        await store.release("batch-1", "b")
-        assert await store.claim("batch-1", "a", 5)
-        assert not await store.cancel_requested("batch-1")
-        await store.request_cancel("batch-1")
-        assert await store.cancel_requested("batch-1")
+        assert await store.claim(b.id, "b", 5)  # a's lease lapsed
+        await store.release(b.id, "a")  # not a's to release
+        assert not await store.claim(b.id, "a", 5)
+        await store.release(b.id, "b")
+        assert await store.claim(b.id, "a", 5)
+        assert not await store.cancel_requested(b.id)
+        await store.request_cancel(b.id)
+        assert await store.cancel_requested(b.id)
+        b.move("failed", 1)
+        await store.save(b)
+        assert b.id not in await store.active()
+        await store.close()
 
     asyncio.run(go())
 
