@@ -199,9 +199,23 @@ def markdown(doc: dict[str, Any], command: str) -> str:
         f"The batch answered {m['batch_lines_in_window']} lines in the {m['window_s']:.0f} s "
         f"window; at the end it was {m['batch_status_at_end']} (then cancelled, its lines kept).",
         "",
+        "Per tier (locust's p95s, which it rounds to 10 ms buckets above 100 ms):",
+        "",
+        "| tier | requests alone / + batch | TTFT p95 alone / + batch | TPOT p95 alone / + batch |",
+        "|---|---|---|---|",
+        *(f"| {t} | {a_t.get('requests', '-')} / {m_t.get('requests', '-')} "
+          f"| {_f(a_t.get('ttft_p95_ms'), 0, ' ms')} / {_f(m_t.get('ttft_p95_ms'), 0, ' ms')} "
+          f"| {_f(a_t.get('tpot_p95_ms'), 0, ' ms')} / {_f(m_t.get('tpot_p95_ms'), 0, ' ms')} |"
+          for t in TIERS
+          for a_t, m_t in [(_tier(a, t), _tier(m, t))]),
+        "",
         "![batch](batch.png)",
         "",
     ])
+
+
+def _tier(phase: dict[str, Any], tier: str) -> dict[str, Any]:
+    return next((t for t in phase.get("tiers") or [] if t.get("tier") == tier), {})
 
 
 def plot(doc: dict[str, Any], out: Path) -> None:
