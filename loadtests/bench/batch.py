@@ -95,8 +95,7 @@ def run_locust(stack: Stack, ns: argparse.Namespace, keys: dict[str, str], out: 
 
 
 def premium_ttft(doc: dict[str, Any]) -> float | None:
-    tier = next((t for t in doc.get("tiers", []) if t.get("tier") == "premium"), {})
-    value = tier.get("ttft_p95_ms")
+    value = _tier(doc, "premium").get("ttft_p95_ms")
     return float(value) if value is not None else None
 
 
