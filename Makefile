@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install clients run test lint unit integration bench bench-smoke bench-peers bench-gateway bench-prefix bench-sla clean
+.PHONY: install clients run test lint unit integration bench bench-smoke bench-peers bench-gateway bench-prefix bench-sla bench-batch clean
 
 install: $(STAMP)
 
@@ -57,6 +57,11 @@ bench-prefix: install
 # against Prometheus: per tier, locust's, the client's and Prometheus's TTFT p95, and the stages.
 bench-sla: install
 	$(PY) -m loadtests.bench.sla --users 12,24 --duration 120
+
+# A 1,000-line chat batch (/v1/batches) beside the README's locust load, against the load alone:
+# premium TTFT p95 and total output tokens/s ratios (docs/perf/batch.{md,png}).
+bench-batch: install
+	$(PY) -m loadtests.bench.batch
 
 clean:
 	rm -rf $(VENV) .local .pytest_cache

@@ -24,6 +24,9 @@ TOKENS = exported("tokens_total")
 STAGE = exported("stage_seconds")
 LOOP_LAG = exported("event_loop_lag_seconds")
 CPU = exported("process_cpu_seconds_total")
+BATCH_LINES = exported("batch_lines_total")
+BATCH_PENDING = exported("batch_lines_pending")
+BATCHES = exported("batches_total")
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,19 @@ def capacity_board(cfg: AppConfig) -> Board:
                               "1,000 tokens generated: the front end's cost per token."),
             Panel("CPU cores used", "short", (
                 Target(f"sum by (kind, deployment) (rate({CPU}[{RATE}]))", "{{kind}} {{deployment}}"),)),
+        ]),
+        ("Batch API", [
+            Panel("Batch lines answered per second", "reqps", (
+                Target(f"sum by (outcome) (rate({BATCH_LINES}[{RATE}]))", "{{outcome}}"),),
+                  description="Lines of /v1/batches answered by the gateways' runners: completed "
+                              "(output file), failed (error file), retried (refused with 429/503 "
+                              "and backed off: interactive tiers had the capacity)."),
+            Panel("Batch lines pending", "short", (
+                Target(f"sum({BATCH_PENDING})", "pending"),),
+                  description="Lines not yet answered in the batches the runners hold now."),
+            Panel("Batches finished", "short", (
+                Target(f"sum by (status) (increase({BATCHES}[{RATE}]))", "{{status}}"),),
+                  description="Batches that reached a final status in the window."),
         ]),
     ])
 

@@ -62,6 +62,15 @@ METRICS: dict[str, dict[str, Any]] = {
                                        "the last report window (a periodic sleep's late wake-up)."},
     "process_cpu_seconds_total": {"kind": "counter", "labels": PROCESS_LABELS,
                                   "help": "CPU seconds (user + system) used by the process."},
+    "batch_lines_total": {"kind": "counter", "labels": ("key_id", "endpoint", "outcome"),
+                          "help": "Batch API lines answered by the batch runner: outcome=completed "
+                                  "(output file), failed (error file), retried (429/503, backed off)."},
+    "batches_total": {"kind": "counter", "labels": ("status",),
+                      "help": "Batches that reached a final status (completed, failed, cancelled, "
+                              "expired)."},
+    "batch_lines_pending": {"kind": "gauge", "labels": ("replica",),
+                            "help": "Lines not yet answered in the batches a gateway replica's "
+                                    "runner holds now."},
 }
 
 # vLLM 0.32's engine metrics as RayPrometheusStatLogger exports them: vLLM's "vllm:" becomes
@@ -251,3 +260,27 @@ class ProcessMetrics:
     def cpu_used(self, seconds: float) -> None:
         if seconds > 0:
             self.cpu.inc(seconds, tags=self.tags)
+
+
+@dataclass
+class BatchMetrics:
+    """The batch runner's progress (``serve_app.batch.runner``)."""
+
+    lines: Counter
+    batches: Counter
+    pending: Gauge
+    replica: str
+
+    @classmethod
+    def create(cls, replica: str) -> BatchMetrics:
+        return cls(lines=_made("batch_lines_total"), batches=_made("batches_total"),
+                   pending=_made("batch_lines_pending"), replica=replica)
+
+    def line_done(self, *, key_id: str, endpoint: str, outcome: str) -> None:
+        self.lines.inc(1, tags={"key_id": key_id, "endpoint": endpoint, "outcome": outcome})
+
+    def batch_done(self, status: str) -> None:
+        self.batches.inc(1, tags={"status": status})
+
+    def pending_now(self, lines: int) -> None:
+        self.pending.set(lines, tags={"replica": self.replica})

@@ -424,6 +424,43 @@ class TierConfig(_Strict):
 MAX_BODY_LIMIT = 32 * 1024 * 1024  # half the replica gRPC message limit (serve_app/local/front_door.py)
 
 
+class BatchConfig(_Strict):
+    """OpenAI's Batch API (``/v1/files``, ``/v1/batches``): where its files live and how its runner
+    feeds the lines through the gateway's own admission, at the batch tier's priority."""
+
+    files_dir: str | None = Field(
+        default=None,
+        description="Folder of uploaded and result files and, without gateway.redis_url, of the "
+        "batches' state; None: a 'batch' folder beside gateway.keys_file (the local stack's "
+        ".local/). Several gateway nodes need it on shared storage.",
+    )
+    max_file_bytes: PositiveInt = Field(
+        default=64 * 1024 * 1024, description="Largest file upload (purpose batch)."
+    )
+    max_lines: PositiveInt = Field(default=50_000, description="Most requests in one batch.")
+    tier: str | None = Field(
+        default=None,
+        description="The tier whose priority and limits batch lines run at (charged to the "
+        "creator's key); None: 'batch' if configured, else the lowest-priority tier. A key whose "
+        "own tier is lower still keeps it.",
+    )
+    concurrency: PositiveInt = Field(
+        default=4, description="Lines of one batch in flight at once, per gateway replica."
+    )
+    max_active: PositiveInt = Field(
+        default=1, description="Batches one gateway replica's runner runs at once."
+    )
+    lease_s: PositiveFloat = Field(
+        default=30.0,
+        description="A runner holds a batch by a lease it renews every third of this; a runner "
+        "that dies leaves it to another replica (or its restart) after this long.",
+    )
+    poll_s: PositiveFloat = Field(default=2.0, description="How often a runner looks for batches.")
+    backoff_max_s: PositiveFloat = Field(
+        default=30.0, description="Longest wait before a line refused with 429 or 503 is retried."
+    )
+
+
 class GatewayConfig(_Strict):
     """The ingress deployment: authentication, limits, routing."""
 
@@ -487,6 +524,9 @@ class GatewayConfig(_Strict):
         default=None,
         description="OTLP/HTTP traces endpoint (e.g. http://127.0.0.1:4318/v1/traces): each request's "
         "stages are exported as OpenTelemetry spans. Off when null.",
+    )
+    batch: BatchConfig = Field(
+        default_factory=BatchConfig, description="OpenAI's Batch API (/v1/files, /v1/batches)."
     )
 
 
@@ -553,6 +593,25 @@ class AppConfig(_Strict):
                 f"default_tier ({self.default_tier!r}) is not one of tiers {sorted(self.tiers)}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _batch_tier_known(self) -> AppConfig:
+        tier = self.gateway.batch.tier
+        if tier is not None and tier not in self.tiers:
+            raise ValueError(
+                f"gateway.batch.tier ({tier!r}) is not one of tiers {sorted(self.tiers)}"
+            )
+        return self
+
+    @property
+    def batch_tier(self) -> str:
+        """The tier batch lines run at: ``gateway.batch.tier``, else 'batch' if configured, else
+        the lowest-priority tier (the highest priority value)."""
+        if self.gateway.batch.tier is not None:
+            return self.gateway.batch.tier
+        if "batch" in self.tiers:
+            return "batch"
+        return max(self.tiers, key=lambda name: self.tiers[name].priority)
 
     @property
     def top_priority(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +23,9 @@ from serve_app.gateway.timing import ArrivalStamp, StageClock
 from serve_app.gateway.tracecontext import TraceContext
 from serve_app.gateway.usage import Usage
 from serve_app.protocol import BY_PATH, ENDPOINTS, Endpoint, render_error
+
+if TYPE_CHECKING:
+    from serve_app.batch.routes import BatchService
 
 logger = logging.getLogger("ray.serve")
 
@@ -45,6 +48,7 @@ class GatewayDeps:
     # proxy actor an X-Request-Start header would be the client's own, never trusted.
     trust_arrival_stamp: bool = False
     created: int = 0  # the model cards' `created`: when the app was built (the same on every replica)
+    batch: BatchService | None = None  # /v1/files and /v1/batches (serve_app.batch)
 
 
 async def get_deps(request: Request) -> GatewayDeps:
@@ -150,6 +154,11 @@ def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> F
 
     for endpoint in ENDPOINTS.values():
         app.add_api_route(endpoint.path, model_route(endpoint), methods=["POST"])
+
+    if deps.batch is not None:
+        from serve_app.batch.routes import batch_router
+
+        app.include_router(batch_router(authenticate))
 
     install_error_handlers(app)
     # Outermost, so the arrival is taken before any of the gateway's own code runs.

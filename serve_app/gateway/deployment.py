@@ -59,7 +59,8 @@ class Gateway:
         usage = Usage(store, GatewayMetrics.create(cfg), StageMetrics.create(), self.spans)
         self.backend, self.store = backend, store
         self.niceness = cfg.gateway.front_end_niceness
-        self.watch = LoopWatch(ProcessMetrics.for_this_replica("gateway"))
+        process_metrics = ProcessMetrics.for_this_replica("gateway")
+        self.watch = LoopWatch(process_metrics)
         # The one reader of Ray Serve's status, refreshed in a thread: admission sizes its bounds
         # by the running replicas, the outage guard asks whether a model has none, the drain
         # whether the app is being deleted.
@@ -81,6 +82,12 @@ class Gateway:
             trust_arrival_stamp=serve_constants.RAY_SERVE_ENABLE_HA_PROXY,
             created=int(time.time()) if created is None else created,
         )
+        # OpenAI's Batch API: its routes' service, and this replica's runner, which feeds the
+        # lines through this replica's own pipeline (serve_app/batch/runner.py).
+        from serve_app.batch.wiring import build as build_batch
+
+        self.deps.batch, self.batch_runner = build_batch(
+            cfg, self.deps.pipeline.handle, self.deps.keys.by_id, process_metrics.tags["replica"])
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self.deps, self._lifespan)
@@ -91,10 +98,13 @@ class Gateway:
         ``gateway.front_end_niceness``; at its stop the Redis clients give their connections back."""
         self.watch.start()
         nice = asyncio.get_running_loop().create_task(self._keep_niceness())
+        self.batch_runner.start()
         try:
             yield
         finally:
             nice.cancel()
+            await self.batch_runner.stop()
+            await self.batch_runner.store.close()
             await self.watch.stop()
             await self.backend.close()
             await self.store.close()
@@ -148,6 +158,15 @@ class Gateway:
                 for m in self.deps.cfg.models
             },
         }
+
+    async def batches(self, limit: int = 20) -> list[dict[str, Any]]:
+        """The latest batches of every tenant, for operators (serve-app diagnose): status, counts,
+        and which runner of this replica holds them."""
+        recent = await self.batch_runner.store.recent(limit)
+        return [{"id": b.id, "status": b.status, "endpoint": b.endpoint, "tenant": b.owner,
+                 "key_id": b.key_id, "created_at": b.created_at, "total": b.total,
+                 "completed": b.completed, "failed": b.failed,
+                 "running_here": b.id in self.batch_runner.running} for b in recent]
 
     def __del__(self) -> None:
         replicas = getattr(self, "replicas", None)  # absent if the constructor failed early

@@ -169,3 +169,9 @@ class KeyStore:
         if record is None or not same_digest(record.digest, d):
             return None
         return record
+
+    def by_id(self, key_id: str) -> KeyRecord | None:
+        """The active (unrevoked) key with this id: work done later on a key's behalf (a batch's
+        lines) is charged to it only while it stays active."""
+        self.maybe_reload()
+        return next((k for k in self._by_digest.values() if k.id == key_id), None)

@@ -23,6 +23,10 @@ def run() -> int:
     if state == "RUNNING":
         gw = serve.get_deployment_handle(GATEWAY_DEPLOYMENT, app_name=APP_NAME)
         print("gateway:", json.dumps(gw.diagnostics.remote().result(timeout_s=10)))
+        # The Batch API's latest batches (every tenant's), from the store the replicas share.
+        for b in gw.batches.remote().result(timeout_s=10):
+            print(f"batch {b['id']}: {b['status']} {b['completed']}+{b['failed']}/{b['total']} "
+                  f"lines, {b['endpoint']}, key {b['key_id']}")
         # One replica of each model answers: requests in its engine, and those waiting in the
         # replica for a slot (admission.reserved_slots keeps some for the top tier).
         for name in sorted(status.applications[APP_NAME].deployments):

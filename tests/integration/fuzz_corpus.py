@@ -291,9 +291,71 @@ def _http_cases(key: str) -> Iterator[Case]:
                        anthropic=path == "/v1/messages")
 
 
+def _multipart(parts: list[tuple[str, str | None, bytes]], boundary: str = "fuzzb") -> bytes:
+    """A multipart/form-data body of (field, filename, bytes) parts."""
+    out = b""
+    for name, filename, data in parts:
+        disp = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        out += f"--{boundary}\r\nContent-Disposition: {disp}\r\n\r\n".encode() + data + b"\r\n"
+    return out + f"--{boundary}--\r\n".encode()
+
+
+def _batch_cases(key: str) -> Iterator[Case]:
+    """The Batch API's routes (/v1/files, /v1/batches): damaged uploads, ids, queries, bodies."""
+    form = "multipart/form-data; boundary=fuzzb"
+    good = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+    uploads = {
+        "no_file": (_multipart([("purpose", None, b"batch")]), form),
+        "no_purpose": (_multipart([("file", "a.jsonl", good)]), form),
+        "purpose_fine_tune": (_multipart([("purpose", None, b"fine-tune"), ("file", "a", good)]), form),
+        "purpose_surrogate": (_multipart([("purpose", None, b"\xed\xa0\x80"), ("file", "a", good)]),
+                              form),
+        "empty_file": (_multipart([("purpose", None, b"batch"), ("file", "a.jsonl", b"")]), form),
+        "latin1_file": (_multipart([("purpose", None, b"batch"), ("file", "a", b"\xff\xfe")]), form),
+        "two_files": (_multipart([("purpose", None, b"batch"), ("file", "a", good),
+                                  ("file", "b", good)]), form),
+        "file_as_field": (_multipart([("purpose", None, b"batch"), ("file", None, good)]), form),
+        "broken_boundary": (b"--fuzzb\r\nbroken", form),
+        "no_boundary": (_multipart([("purpose", None, b"batch")]), "multipart/form-data"),
+        "json_ctype": (b'{"purpose": "batch"}', "application/json"),
+        "no_ctype": (b"x", ""),
+    }
+    for name, (body, ctype) in uploads.items():
+        yield Case(f"batch:upload:{name}", _post("/v1/files", body, key, ctype=ctype))
+    auth = [("Authorization", f"Bearer {key}")]
+    ids = ("file-nope", "..%2F..%2Fetc%2Fpasswd", "%00", "x" * 300, "%F0%9F%98%80", "file-%2e%2e")
+    for i, fid in enumerate(ids):
+        yield Case(f"batch:get_file{i}", request("GET", f"/v1/files/{fid}", headers=auth))
+        yield Case(f"batch:content{i}", request("GET", f"/v1/files/{fid}/content", headers=auth))
+        yield Case(f"batch:delete{i}", request("DELETE", f"/v1/files/{fid}", headers=auth))
+        yield Case(f"batch:get_batch{i}", request("GET", f"/v1/batches/{fid}", headers=auth))
+        yield Case(f"batch:cancel{i}", request("POST", f"/v1/batches/{fid}/cancel", headers=auth))
+    for i, query in enumerate(("limit=0", "limit=-1", "limit=abc", "limit=99999999999999999999",
+                               "order=sideways", "purpose=fine-tune", "after=" + "x" * 200)):
+        yield Case(f"batch:list_files{i}", request("GET", f"/v1/files?{query}", headers=auth))
+    for i, query in enumerate(("limit=0", "limit=101", "limit=abc", "after=" + "x" * 200)):
+        yield Case(f"batch:list_batches{i}", request("GET", f"/v1/batches?{query}", headers=auth))
+    create = {"input_file_id": "file-nope", "endpoint": "/v1/chat/completions",
+              "completion_window": "24h"}
+    mutations: dict[str, Any] = {
+        "input_file_id": (None, 1, [], "", "x" * 5000, "../../etc/passwd"),
+        "endpoint": (None, "/v1/completions", "/v1/chat/completions/", 7, ["x"]),
+        "completion_window": (None, "1h", "24H", 24, "24h" * 100),
+        "metadata": ("x", [1], {"a": 1}, {f"k{i}": "v" for i in range(20)}, {"k": "v" * 600}),
+    }
+    for field_name, values in mutations.items():
+        for j, value in enumerate(values):
+            yield Case(f"batch:create:{field_name}{j}",
+                       _post("/v1/batches", _dumps({**create, field_name: value}).encode(), key))
+    for name, raw in (("empty", b""), ("array", b"[]"), ("open", b"{"), ("nan", b'{"x": NaN}'),
+                      ("deep", deep_list(10_000).encode())):
+        yield Case(f"batch:create_json:{name}", _post("/v1/batches", raw, key))
+
+
 def corpus(key: str, *more_keys: str) -> list[Case]:
     """Every case, with ``key`` (and ``more_keys``, for the field mutations) as valid API keys."""
-    cases = [*_http_cases(key), *_json_cases(key), *_field_cases((key, *more_keys))]
+    cases = [*_http_cases(key), *_json_cases(key), *_field_cases((key, *more_keys)),
+             *_batch_cases(key)]
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}
     assert not dup, f"duplicate case names: {sorted(dup)[:5]}"

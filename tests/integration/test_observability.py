@@ -87,6 +87,7 @@ def load(stack, prom: Prometheus, tmp_path_factory: pytest.TempPathFactory) -> d
                 "model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
             statuses.append(r.status_code)
     assert 429 in statuses, statuses
+    _small_batch(stack.base_url, env["SERVE_APP_KEY_BATCH"])
     time.sleep(EXPORT_DELAY_S)  # that traffic is exported before the locust window opens
 
     sla_json = tmp_path_factory.mktemp("locust") / "sla.json"
@@ -103,6 +104,23 @@ def load(stack, prom: Prometheus, tmp_path_factory: pytest.TempPathFactory) -> d
     time.sleep(EXPORT_DELAY_S)
     return {"t_start": t_start, "t_end": t_end, "at": time.time(),
             "sla": json.loads(sla_json.read_text()), "locust_out": proc.stdout + proc.stderr}
+
+
+def _small_batch(base_url: str, key: str) -> None:
+    """Two lines through /v1/batches, so the Batch API's progress series exist."""
+    import openai
+
+    sdk = openai.OpenAI(base_url=base_url, api_key=key)
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    lines = "\n".join(json.dumps({"custom_id": f"obs-{i}", "method": "POST",
+                                  "url": "/v1/chat/completions", "body": body}) for i in range(2))
+    f = sdk.files.create(file=("obs.jsonl", lines.encode()), purpose="batch")
+    batch = sdk.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                               completion_window="24h")
+    deadline = time.time() + 120
+    while sdk.batches.retrieve(batch.id).status != "completed":
+        assert time.time() < deadline, "the observability batch did not complete in 120 s"
+        time.sleep(1)
 
 
 def _finite(result: list[dict[str, Any]]) -> int:
