@@ -14,6 +14,10 @@ down: the one hold. The gateway enforces the capacity
 itself: Ray Serve's ``max_queued_requests`` is counted per caller and only for requests waiting to
 be routed, so a burst can pass it. The slot is taken in the same step as the check, with no
 ``await`` between, so a burst cannot pass it here.
+
+A model with a flow queue (``flow``) counts its slots here too, and applies both bounds to
+everything it holds, waiting requests included (``refusal``); its own in-flight bound starts from
+``engine_slots``.
 """
 
 from __future__ import annotations

@@ -4,18 +4,25 @@ timeout, cancellation, shedding, several gateway replicas, the adaptive bound)."
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
 from serve_app.gateway.admission import Admission
+from serve_app.gateway.api import GatewayDeps, build_api
 from serve_app.gateway.capacity import Capacity
 from serve_app.gateway.flow import Flow, Waiter
+from serve_app.gateway.keys import create_key
 from serve_app.gateway.limits import MemoryBackend
 from serve_app.gateway.timing import StageClock
+from serve_app.ops.diagnose import flow_lines
+from tests.unit.test_api import FakeModels, _gateway_deps
 
 DIGEST = "sha256:" + "0" * 64
 
@@ -328,3 +335,65 @@ def test_a_full_queued_primary_overflows_onto_a_fallback_with_room() -> None:
         return [t.model_id for t in tickets]
 
     assert run(go) == ["tiny", "spare", "spare"]
+
+
+def _http(tmp_path: Path) -> tuple[TestClient, GatewayDeps, str]:
+    """The gateway's real API and pipeline over a fake model, with tiny-chat's queue on."""
+    keys_file = tmp_path / "keys.yaml"
+    key = create_key(keys_file, "k", "premium", ["*"])
+    app_config = {
+        "models": [{"id": "tiny-chat", "source": "builtin:tiny-chat",
+                    "flow": {"enabled": True, "max_inflight_per_replica": 1}}],
+        "gateway": {"keys_file": str(keys_file), "retry_after_s": 3},
+        "tiers": {"premium": {"priority": 0, "max_queue_wait_s": 0.05}},
+        "default_tier": "premium",
+    }
+    models = FakeModels()
+    deps = _gateway_deps(app_config, {"tiny-chat": models.handle("tiny-chat")})
+    return TestClient(build_api(deps), raise_server_exceptions=False), deps, key
+
+
+CHAT = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def test_the_queue_wait_is_a_stage_in_server_timing(tmp_path: Path) -> None:
+    client, _, key = _http(tmp_path)
+    with client:
+        resp = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 200, resp.text
+    stages = [part.split(";")[0].strip() for part in resp.headers["server-timing"].split(",")]
+    assert stages[stages.index("admission") + 1] == "queue"
+
+
+def test_a_request_that_waits_too_long_gets_the_openai_503_over_http(tmp_path: Path) -> None:
+    client, deps, key = _http(tmp_path)
+    adm = deps.pipeline.admission
+    with client:
+        holder = client.portal.call(adm.admit, KeyRecord(id="other", digest=DIGEST, tier="premium"),
+                                    ["tiny-chat"], {"max_tokens": 4}, 10)  # holds the one slot
+        resp = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"})
+        assert resp.status_code == 503, resp.text
+        assert resp.headers["retry-after"] == "3"
+        assert resp.json()["error"]["code"] == "service_unavailable"
+        assert "waited 0.05 s at the gateway" in resp.json()["error"]["message"]
+        assert adm.inflight["tiny-chat"] == 1
+        client.portal.call(adm.settle, holder, 1)
+        assert adm.inflight["tiny-chat"] == 0
+        usage = client.get("/v1/usage", headers={"Authorization": f"Bearer {key}"}).json()
+    assert "queue_timeout" in json.dumps(usage)
+
+
+def test_diagnose_shows_the_queue() -> None:
+    cfg = _cfg(inflight=1)
+
+    async def go() -> dict[str, Any]:
+        flow = _flow(cfg)
+        _reserve(flow, cfg, "premium", "p")
+        _reserve(flow, cfg, "batch", "noisy")
+        _reserve(flow, cfg, "batch", "noisy")
+        _reserve(flow, cfg, "batch", "quiet")
+        return flow.snapshot()
+
+    lines = flow_lines(run(go))
+    assert lines == ["flow queue tiny: 1 in flight of 1, 3 waiting; "
+                     "batch: noisy 2, quiet 1 (oldest 0.0 s)"]
