@@ -58,5 +58,11 @@ bench-prefix: install
 bench-sla: install
 	$(PY) -m loadtests.bench.sla --users 12,24 --duration 120
 
+# The gateway's flow queue on vs off on configs/local.yaml (issue 23): tiers at 2x/4x the load where
+# premium first misses its objective, a noisy and a quiet key, throughput; table + PNG.
+.PHONY: bench-flow
+bench-flow: install
+	$(PY) -m loadtests.bench.flow
+
 clean:
 	rm -rf $(VENV) .local .pytest_cache
