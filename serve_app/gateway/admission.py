@@ -114,18 +114,20 @@ class Admission:
             completion = min(completion, max(1, context - prompt))
         return completion, completion + prompt
 
-    async def queue(self, ticket: Ticket, stage_clock: StageClock | None = None) -> None:
+    async def queue(self, ticket: Ticket, stage_clock: StageClock | None = None) -> bool:
         """Wait for the ticket's slot if it is queued (``flow``); at once otherwise. A request
         that waits past its tier's bound (503 with Retry-After) or leaves meanwhile takes nothing
-        with it: its place or slot is given back and its charge refunded in full."""
+        with it: its place or slot is given back and its charge refunded in full. True when the
+        ticket's model has a flow queue (its wait is the ``queue`` stage, 0 when a slot was free)."""
         ticket.clock = stage_clock
         if ticket.waiter is None:
-            return
+            return False
         try:
             await self.flow.wait(ticket.waiter)
         except BaseException:
             await asyncio.shield(self.settle(ticket, 0))
             raise
+        return self.flow.enabled(ticket.model_id)
 
     def move(self, ticket: Ticket, key: KeyRecord, model_id: str) -> None:
         """Move an admitted request to another model (its fallback) if that one has room now."""

@@ -83,11 +83,12 @@ class Pipeline:
             raise
         clock.mark("admission")
         try:
-            await self.admission.queue(ticket, clock)  # the flow queue's wait, if the model has one
+            queued = await self.admission.queue(ticket, clock)  # the model's flow queue, if it has one
         except errors.ServiceUnavailable:
             await self.usage.rejected(key, ticket.model_id, "queue_timeout")
             raise
-        clock.mark("queue")
+        if queued:
+            clock.mark("queue")
         if ticket.model_id != model_id:
             logger.warning("model %s has no room; falling back to %s", model_id, ticket.model_id)
         ledger = Ledger(key, self.admission.tier(key), ticket, self.admission, self.usage, fallback,

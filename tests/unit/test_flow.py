@@ -337,13 +337,13 @@ def test_a_full_queued_primary_overflows_onto_a_fallback_with_room() -> None:
     assert run(go) == ["tiny", "spare", "spare"]
 
 
-def _http(tmp_path: Path) -> tuple[TestClient, GatewayDeps, str]:
+def _http(tmp_path: Path, enabled: bool = True) -> tuple[TestClient, GatewayDeps, str]:
     """The gateway's real API and pipeline over a fake model, with tiny-chat's queue on."""
     keys_file = tmp_path / "keys.yaml"
     key = create_key(keys_file, "k", "premium", ["*"])
     app_config = {
         "models": [{"id": "tiny-chat", "source": "builtin:tiny-chat",
-                    "flow": {"enabled": True, "max_inflight_per_replica": 1}}],
+                    "flow": {"enabled": enabled, "max_inflight_per_replica": 1}}],
         "gateway": {"keys_file": str(keys_file), "retry_after_s": 3},
         "tiers": {"premium": {"priority": 0, "max_queue_wait_s": 0.05}},
         "default_tier": "premium",
@@ -397,3 +397,11 @@ def test_diagnose_shows_the_queue() -> None:
     lines = flow_lines(run(go))
     assert lines == ["flow queue tiny: 1 in flight of 1, 3 waiting; "
                      "batch: noisy 2, quiet 1 (oldest 0.0 s)"]
+
+
+def test_without_a_queue_the_queue_stage_is_not_marked(tmp_path: Path) -> None:
+    client, _, key = _http(tmp_path, enabled=False)
+    with client:
+        resp = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 200, resp.text
+    assert "queue;" not in resp.headers["server-timing"]
