@@ -3,7 +3,9 @@
 ``python -m loadtests.bench.flow`` starts ``configs/local.yaml`` twice through the harness
 (``loadtests.harness.stack.start_stack``): first with tiny-chat's queue off (``flow.enabled:
 false``, today's admission), then on; nothing else differs. One key per role is made with the
-public ``serve-app keys create``. Closed-loop users (each sends one streaming chat request, reads it
+public ``serve-app keys create``, by default with its per-key RPM, TPM and concurrency limits
+lifted (``--key-limits lifted``): otherwise local.yaml's batch key (300 RPM) and standard key
+(600 RPM) answer 429 long before the engine is loaded, and the queue is never reached. Closed-loop users (each sends one streaming chat request, reads it
 to the end, and sends the next; after a 429/503 it waits ``--backoff`` s) drive it from this
 process, prompts from ``loadtests/data``, ``max_tokens`` capped at ``--max-tokens``:
 
@@ -34,6 +36,7 @@ import asyncio
 import math
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -225,6 +228,26 @@ async def run_load(base_url: str, groups: Sequence[Users], duration_s: float, pr
     return samples
 
 
+# What --key-limits lifted sets on each bench key (``serve-app keys create`` overrides): the load is
+# meant to reach the engine and its queue, not to stop at one key's rate limits.
+LIFTED = {"rpm": 1_000_000, "tpm": 1_000_000_000, "max-concurrent": 4096}
+
+
+def make_key(keys_file: Path, key_id: str, tier: str, limits: str) -> str:
+    """A key made with the public ``serve-app keys create``; with ``limits`` "lifted" its per-key
+    RPM, TPM and concurrency are overridden (``LIFTED``), with "tier" it keeps its tier's."""
+    argv = [*harness.CLI, "keys", "create", "--keys-file", str(keys_file), "--id", key_id,
+            "--tier", tier, "--models", "*"]
+    if limits == "lifted":
+        for name, value in LIFTED.items():
+            argv += [f"--{name}", str(value)]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"serve-app keys create --id {key_id} failed: {done.stderr[-500:]}")
+    return lines[-1].strip()
+
+
 def mix(users: int, share: float, keys: Mapping[str, str]) -> list[Users]:
     """``users`` split into premium (``share``, at least one) and batch users."""
     premium = max(1, round(users * share))
@@ -267,14 +290,16 @@ def run_mode(mode: str, ns: argparse.Namespace, config: Path, workdir: Path, pro
              objective_ms: Mapping[str, float], base_users: int | None) -> dict[str, Any]:
     """One stack with the queue ``mode`` (off/on): the search (off, unless given), 2L and 4L, and
     the fairness pair."""
-    key_ids = {"premium": ("premium", ["*"]), "batch": ("batch", ["*"]),
-               "noisy": (ns.fair_tier, ["*"]), "quiet": (ns.fair_tier, ["*"])}
-    stack = harness.start_stack(config, workdir / mode, keys=key_ids, edit=flow_edit(mode == "on"),
+    key_ids = {"premium": "premium", "batch": "batch", "noisy": ns.fair_tier, "quiet": ns.fair_tier}
+    (workdir / mode).mkdir(parents=True, exist_ok=True)
+    # The stack's keys file (start_stack's workdir/keys.yaml), made before it starts.
+    keys = {kid: make_key(workdir / mode / "keys.yaml", kid, tier, ns.key_limits)
+            for kid, tier in key_ids.items()}
+    stack = harness.start_stack(config, workdir / mode, edit=flow_edit(mode == "on"),
                                 retries=1, say=say)
     out: dict[str, Any] = {"mode": mode}
     try:
         require_loopback(stack.base_url)
-        keys = dict(stack.keys)
         asyncio.run(run_load(stack.base_url, mix(4, 0.5, keys), ns.warmup, prompts, ns.max_tokens,
                              ns.backoff))  # engines warm, series made
         if base_users is None:
@@ -329,8 +354,11 @@ def markdown(doc: Mapping[str, Any]) -> str:
     lines = [f"# Gateway flow queue: on vs off ({doc['timestamp']})", "",
              f"`{doc['command']}` on `{doc['config']}`; base load L = {doc['base_users']} users "
              f"({doc['premium_share']:.0%} premium, the rest batch), max_tokens ≤ {doc['max_tokens']}, "
-             f"{doc['duration_s']:g} s per level. Shared 2-core machine (other sessions' work ran "
-             "beside it): compare on and off within this run, not across runs.", "",
+             f"{doc['duration_s']:g} s per level; the bench keys' own limits: "
+             f"{doc.get('key_limits', 'tier')} (lifted: RPM, TPM and concurrency overridden, so the "
+             "load reaches the engine; tier: the tiers' key_limits apply, and 429s count as "
+             "rejections). Shared 2-core machine (other sessions' work ran beside it): compare on "
+             "and off within this run, not across runs.", "",
              "## (a) Tiers at 2x and 4x the load where premium first misses its objective", "",
              "| load | queue | premium TTFT p95 (obj {p}) | premium rejected | batch TTFT p95 (obj {b}) "
              "| batch rejected | output tok/s |".format(p=_v(obj["premium"]), b=_v(obj["batch"])),
@@ -435,13 +463,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/local.yaml")
     p.add_argument("--duration", type=float, default=60.0, help="seconds per measured level")
-    p.add_argument("--search-users", type=parse_users, default=[4, 8, 12, 16, 24, 32])
+    p.add_argument("--search-users", type=parse_users, default=[4, 8, 12, 16, 24, 32, 48, 64])
     p.add_argument("--search-duration", type=float, default=20.0)
     p.add_argument("--base-users", type=int, default=None, help="skip the search: L is this")
     p.add_argument("--premium-share", type=float, default=0.25)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--backoff", type=float, default=1.0, help="a user's wait after a 429/503")
     p.add_argument("--warmup", type=float, default=10.0)
+    p.add_argument("--key-limits", choices=("lifted", "tier"), default="lifted",
+                   help="lifted: the bench keys' RPM, TPM and concurrency limits are overridden "
+                        "(the load reaches the engine); tier: each key keeps its tier's limits")
     p.add_argument("--fair-tier", default="standard")
     p.add_argument("--noisy", type=int, default=32)
     p.add_argument("--quiet", type=int, default=2)
@@ -470,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"command": run.command, "timestamp": run.stamp, "config": str(ns.config),
                "base_users": base, "premium_share": ns.premium_share, "max_tokens": ns.max_tokens,
                "duration_s": ns.duration, "noisy": ns.noisy, "quiet": ns.quiet,
-               "fair_tier": ns.fair_tier, "objectives_ms": objective_ms, "modes": modes,
+               "fair_tier": ns.fair_tier, "key_limits": ns.key_limits,
+               "objectives_ms": objective_ms, "modes": modes,
                "workdir": str(workdir)}
         if modes:
             procs.write_results(run.base, doc, markdown(doc))

@@ -65,3 +65,15 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     assert "| on | 200 ms | 300 ms | 1.50 | 50 / 800 | 0.980 | 0.560 |" in md
     assert "| 4x | 900 | 900 | 1.00 |" in md
     assert flow.plot(doc, tmp_path / "flow.png").stat().st_size > 1000
+
+
+def test_bench_keys_have_their_limits_lifted_or_kept(tmp_path: Path) -> None:
+    import yaml
+
+    keys_file = tmp_path / "keys.yaml"
+    assert flow.make_key(keys_file, "lifted", "batch", "lifted").startswith("sk-")
+    flow.make_key(keys_file, "kept", "batch", "tier")
+    rows = {k["id"]: k for k in yaml.safe_load(keys_file.read_text())["keys"]}
+    assert rows["lifted"]["limits"]["rpm"] == flow.LIFTED["rpm"]
+    assert rows["lifted"]["limits"]["max_concurrent"] == flow.LIFTED["max-concurrent"]
+    assert not rows["kept"].get("limits")
