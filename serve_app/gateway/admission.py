@@ -148,7 +148,8 @@ class Admission:
             if ticket.waiter.granted and ticket.clock is not None:
                 stages = ticket.clock.durations()
                 if "engine" in stages:
-                    self.flow.observe(ticket.model_id, stages.get("handle", 0.0) + stages["engine"])
+                    self.flow.observe(ticket.model_id, ticket.waiter.band,
+                                      stages.get("handle", 0.0) + stages["engine"])
             self.flow.withdraw(ticket.waiter)
         await charge.refund(self.backend, ticket.gauges, ticket.token_charges,
                             ticket.reserved_tokens, used_tokens, clock())

@@ -8,11 +8,15 @@ token.
 - **The bound.** Per running model replica: ``flow.max_inflight_per_replica``, else the engine's
   ``max_num_seqs``, else the deployment's ``max_ongoing_requests``; times the replicas running now
   (``replicas.LiveReplicas``). With ``flow.adaptive`` the per-replica bound moves between
-  ``flow.min_inflight_per_replica`` and that ceiling (AIMD): each finished request's engine-side
-  time to first token (its ``handle`` and ``engine`` stages) is compared with ``flow.target_share``
-  of the top tier's TTFT objective; over it, the bound is cut by a fifth (at most once per target
-  interval, so one burst of slow answers is one cut); at or under it, while requests wait, it grows
-  by 1/bound (one slot per bound's worth of good answers).
+  ``flow.min_inflight_per_replica`` and that ceiling (AIMD): each finished top-tier request's
+  engine-side time to first token (its ``handle`` and ``engine`` stages) is compared with
+  ``flow.target_share`` of the top tier's TTFT objective; over it, the bound is cut by a fifth (at
+  most once per target interval, so one burst of slow answers is one cut); at or under it, while
+  requests wait, it grows by 1/bound (one slot per bound's worth of good answers). Only the top
+  tier's answers count: the bound is there to keep its objective, and the lower tiers' first tokens
+  are slow by design under the engine's priority scheduling (a first run that counted every tier cut
+  the bound to its floor, and premium then queued behind its own traffic). The gateway's own wait
+  is not part of the signal, or a cut would feed on itself.
 - **Several gateway replicas.** Each replica queues its own requests and gets
   ``max(1, bound // gateway.num_replicas)`` of the bound, so together they never pass it (when
   the bound is at least the replica count); the cost is that one replica's waiters do not use
@@ -208,10 +212,13 @@ class Flow:
         total = max(1, math.floor(self._per_replica[model_id] * running))
         return max(1, total // self.cfg.gateway.num_replicas)
 
-    def observe(self, model_id: str, engine_ttft_s: float) -> None:
-        """One finished request's engine-side time to first token: the adaptive bound learns."""
+    def observe(self, model_id: str, band: int, engine_ttft_s: float) -> None:
+        """One finished request's engine-side time to first token: the adaptive bound learns from
+        the top tier's (``band``: its tier's priority)."""
         m = self._models.get(model_id)
         if m is None or not self.enabled(model_id) or not m.flow.adaptive:
+            return
+        if band != self.cfg.top_priority:
             return
         target = m.flow.target_share * self._target_s
         cur = self._per_replica[model_id]

@@ -265,22 +265,26 @@ def test_the_adaptive_bound_cuts_when_the_engine_is_slow_and_grows_while_request
     cfg = _cfg(inflight=20, adaptive=True, min_inflight_per_replica=4, target_share=0.5)
     flow = Flow(cfg, Capacity(cfg), clock=lambda: now[0])
     assert flow.limit("tiny") == 20
-    flow.observe("tiny", 0.9)  # over 0.5 x 1 s: cut
+    flow.observe("tiny", 0, 0.9)  # over 0.5 x 1 s: cut
     assert flow.limit("tiny") == 16
-    flow.observe("tiny", 0.9)  # the same burst (within one target interval): no second cut
+    flow.observe("tiny", 0, 0.9)  # the same burst (within one target interval): no second cut
     assert flow.limit("tiny") == 16
     for _ in range(20):
         now[0] += 1.0
-        flow.observe("tiny", 2.0)
+        flow.observe("tiny", 0, 2.0)
     assert flow.limit("tiny") == 4  # never under the floor
-    flow.observe("tiny", 0.1)  # fast, but nobody waits: no reason to grow
+    flow.observe("tiny", 0, 0.1)  # fast, but nobody waits: no reason to grow
+    assert flow.limit("tiny") == 4
+    now[0] += 1.0
+    flow.observe("tiny", 0, 0.1)
+    flow.observe("tiny", 10, 5.0)  # batch's first token is slow by design: not a signal
     assert flow.limit("tiny") == 4
 
     async def go() -> None:
         for _ in range(10):
             _reserve(flow, cfg, "premium", "p")
         for _ in range(40):
-            flow.observe("tiny", 0.1)
+            flow.observe("tiny", 0, 0.1)
 
     run(go)
     assert 8 <= flow.limit("tiny") <= 20
@@ -291,6 +295,7 @@ def test_the_engines_ttft_reaches_the_bound_when_a_request_settles() -> None:
     adm = Admission(cfg, MemoryBackend())
 
     async def go() -> None:
+        await adm.queue(await adm.admit(_key("b", "batch"), ["tiny"], {"max_tokens": 8}, 10))
         ticket = await adm.admit(_key("p", "premium"), ["tiny"], {"max_tokens": 8}, 10)
         clock = StageClock(100.0, clock=lambda: 100.0)
         await adm.queue(ticket, clock)
