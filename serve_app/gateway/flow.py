@@ -8,7 +8,7 @@ token.
 - **The bound.** Per running model replica: ``flow.max_inflight_per_replica``, else the engine's
   ``max_num_seqs``, else the deployment's ``max_ongoing_requests``; times the replicas running now
   (``replicas.LiveReplicas``). With ``flow.adaptive`` the per-replica bound moves between
-  ``flow.min_inflight_per_replica`` and that ceiling (AIMD): each finished top-tier request's
+  ``flow.min_inflight_per_replica`` (default: a quarter of the ceiling) and that ceiling (AIMD): each finished top-tier request's
   engine-side time to first token (its ``handle`` and ``engine`` stages) is compared with
   ``flow.target_share`` of the top tier's TTFT objective; over it, the bound is cut by a fifth (at
   most once per target interval, so one burst of slow answers is one cut); at or under it, while
@@ -223,7 +223,7 @@ class Flow:
         target = m.flow.target_share * self._target_s
         cur = self._per_replica[model_id]
         ceiling = self.capacity.engine_slots(model_id)
-        floor = min(m.flow.min_inflight_per_replica, ceiling)
+        floor = min(m.flow.min_inflight_per_replica or max(1, ceiling // 4), ceiling)
         now = self.clock()
         if engine_ttft_s > target:
             if now - self._last_cut[model_id] >= target:

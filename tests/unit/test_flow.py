@@ -410,3 +410,13 @@ def test_without_a_queue_the_queue_stage_is_not_marked(tmp_path: Path) -> None:
         resp = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"})
     assert resp.status_code == 200, resp.text
     assert "queue;" not in resp.headers["server-timing"]
+
+
+def test_the_adaptive_floor_is_a_quarter_of_the_ceiling_by_default() -> None:
+    cfg = _cfg(inflight=64, adaptive=True, min_inflight_per_replica=None)
+    now = [0.0]
+    flow = Flow(cfg, Capacity(cfg), clock=lambda: now[0])
+    for _ in range(40):
+        now[0] += 1.0
+        flow.observe("tiny", 0, 5.0)
+    assert flow.limit("tiny") == 16
