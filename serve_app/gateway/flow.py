@@ -13,9 +13,10 @@ token.
   ``flow.target_share`` of the top tier's TTFT objective; over it, the bound is cut by a fifth (at
   most once per target interval, so one burst of slow answers is one cut); at or under it, while
   requests wait, it grows by 1/bound (one slot per bound's worth of good answers). Only the top
-  tier's answers count: the bound is there to keep its objective, and the lower tiers' first tokens
-  are slow by design under the engine's priority scheduling (a first run that counted every tier cut
-  the bound to its floor, and premium then queued behind its own traffic). The gateway's own wait
+  tier's slow answers cut: the bound is there to keep its objective, and the lower tiers' first
+  tokens are slow by design under the engine's priority scheduling (a first run that counted every
+  tier cut the bound far down, and premium then queued behind its own traffic); any tier's fast
+  answer grows it, so it recovers while the top tier is quiet. The gateway's own wait
   is not part of the signal, or a cut would feed on itself.
 - **Several gateway replicas.** Each replica queues its own requests and gets
   ``max(1, bound // gateway.num_replicas)`` of the bound, so together they never pass it (when
@@ -213,12 +214,11 @@ class Flow:
         return max(1, total // self.cfg.gateway.num_replicas)
 
     def observe(self, model_id: str, band: int, engine_ttft_s: float) -> None:
-        """One finished request's engine-side time to first token: the adaptive bound learns from
-        the top tier's (``band``: its tier's priority)."""
+        """One finished request's engine-side time to first token (``band``: its tier's
+        priority): a slow one of the top tier cuts the bound, a fast one of any tier grows it
+        while requests wait (so the bound recovers when the top tier is quiet)."""
         m = self._models.get(model_id)
         if m is None or not self.enabled(model_id) or not m.flow.adaptive:
-            return
-        if band != self.cfg.top_priority:
             return
         target = m.flow.target_share * self._target_s
         cur = self._per_replica[model_id]
@@ -226,7 +226,7 @@ class Flow:
         floor = min(m.flow.min_inflight_per_replica or max(1, ceiling // 4), ceiling)
         now = self.clock()
         if engine_ttft_s > target:
-            if now - self._last_cut[model_id] >= target:
+            if band == self.cfg.top_priority and now - self._last_cut[model_id] >= target:
                 self._per_replica[model_id] = max(float(floor), cur * DECREASE)
                 self._last_cut[model_id] = now
         elif len(self._queues[model_id]):

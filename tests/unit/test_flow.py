@@ -276,8 +276,7 @@ def test_the_adaptive_bound_cuts_when_the_engine_is_slow_and_grows_while_request
     flow.observe("tiny", 0, 0.1)  # fast, but nobody waits: no reason to grow
     assert flow.limit("tiny") == 4
     now[0] += 1.0
-    flow.observe("tiny", 0, 0.1)
-    flow.observe("tiny", 10, 5.0)  # batch's first token is slow by design: not a signal
+    flow.observe("tiny", 10, 5.0)  # batch's first token is slow by design: no cut
     assert flow.limit("tiny") == 4
 
     async def go() -> None:
@@ -420,3 +419,22 @@ def test_the_adaptive_floor_is_a_quarter_of_the_ceiling_by_default() -> None:
         now[0] += 1.0
         flow.observe("tiny", 0, 5.0)
     assert flow.limit("tiny") == 16
+
+
+def test_the_bound_recovers_on_any_tiers_fast_answers_while_requests_wait() -> None:
+    cfg = _cfg(inflight=20, adaptive=True, min_inflight_per_replica=4)
+    now = [0.0]
+    flow = Flow(cfg, Capacity(cfg), clock=lambda: now[0])
+    for _ in range(20):
+        now[0] += 1.0
+        flow.observe("tiny", 0, 2.0)
+    assert flow.limit("tiny") == 4
+
+    async def go() -> None:
+        for _ in range(10):
+            _reserve(flow, cfg, "batch", "b")  # only batch now, and some of it waits
+        for _ in range(200):
+            flow.observe("tiny", 10, 0.1)
+
+    run(go)
+    assert flow.limit("tiny") == 20
