@@ -63,5 +63,11 @@ bench-sla: install
 bench-batch: install
 	$(PY) -m loadtests.bench.batch
 
+# The gateway's flow queue on vs off on configs/local.yaml (issue 23): tiers at 2x/4x the load where
+# premium first misses its objective, a noisy and a quiet key, throughput; table + PNG.
+.PHONY: bench-flow
+bench-flow: install
+	$(PY) -m loadtests.bench.flow
+
 clean:
 	rm -rf $(VENV) .local .pytest_cache

@@ -27,6 +27,9 @@ CPU = exported("process_cpu_seconds_total")
 BATCH_LINES = exported("batch_lines_total")
 BATCH_PENDING = exported("batch_lines_pending")
 BATCHES = exported("batches_total")
+QUEUE_DEPTH = exported("queue_depth")
+QUEUE_WAIT = exported("queue_wait_seconds")
+FLOW_BOUND = exported("flow_inflight_bound")
 
 
 @dataclass(frozen=True)
@@ -220,7 +223,43 @@ def capacity_board(cfg: AppConfig) -> Board:
                 Target(f"sum by (status) (increase({BATCHES}[{RATE}]))", "{{status}}"),),
                   description="Batches that reached a final status in the window."),
         ]),
+        ("Gateway flow queue", flow_panels()),
     ])
+
+
+def flow_panels(w: str = RATE) -> list[Panel]:
+    """The gateway's flow queues (models with ``flow.enabled``); zeros while no queue is on."""
+    like = f"sum by (model) (rate({REQUESTS}[{w}]))"
+    return [
+        Panel("Flow queue: waiting by tier", "short", (
+            Target(_zero_if_none(f"sum by (model, tier) ({QUEUE_DEPTH})", like),
+                   "{{model}} {{tier}}"),),
+              description="Requests waiting at the gateway for a slot, all gateway replicas."),
+        Panel("Flow queue: waiting by tenant", "short", (
+            Target(_zero_if_none(f"sum by (model, tenant) ({QUEUE_DEPTH})", like),
+                   "{{model}} {{tenant}}"),),
+              description="Who waits: a noisy tenant's queue grows, a quiet one's stays short."),
+        Panel("Flow queue: wait p95 by tier", "s", (
+            Target(_zero_if_none(
+                f"histogram_quantile(0.95, sum by (le, tier) (rate({QUEUE_WAIT}_bucket[{w}])))",
+                like), "{{tier}}"),),
+              description="Time in the queue (0 for a request that found a free slot)."),
+        Panel("Flow queue: wait p95 by tenant", "s", (
+            Target(_zero_if_none(
+                f"histogram_quantile(0.95, sum by (le, tenant) (rate({QUEUE_WAIT}_bucket[{w}])))",
+                like), "{{tenant}}"),),
+              description="Deficit round-robin keeps a quiet tenant's wait short under a noisy one."),
+        Panel("Flow queue: how requests left it", "reqps", (
+            Target(_zero_if_none(
+                f"sum by (tier, outcome) (rate({QUEUE_WAIT}_count[{w}]))", like),
+                "{{tier}} {{outcome}}"),),
+              description="granted (a slot), expired (503 after the tier's max_queue_wait_s), "
+                          "withdrawn (the client left)."),
+        Panel("Flow queue: in-flight bound", "short", (
+            Target(_zero_if_none(f"sum by (model) ({FLOW_BOUND})", like), "{{model}}"),),
+              description="Requests the gateway lets each model have in flight (adaptive: cut "
+                          "while the engine's TTFT is over target, grown while requests wait)."),
+    ]
 
 
 def boards(cfg: AppConfig) -> list[Board]:

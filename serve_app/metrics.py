@@ -35,6 +35,7 @@ PROCESS_LABELS = ("kind", "deployment", "replica")
 # The HTTP status a rejection is answered with, so requests_total counts every admitted-or-refused
 # request by status.
 REJECTION_STATUS = {"rate_limit": 429, "shed": 503, "backpressure": 503}
+REJECTION_STATUS["queue_timeout"] = 503  # waited its tier's max_queue_wait_s in a flow queue
 
 METRICS: dict[str, dict[str, Any]] = {
     "requests_total": {"kind": "counter", "labels": (*KEY_LABELS, "status"),
@@ -72,6 +73,23 @@ METRICS: dict[str, dict[str, Any]] = {
                             "help": "Lines not yet answered in the batches a gateway replica's "
                                     "runner holds now."},
 }
+
+# The gateway's flow queues (serve_app.gateway.flow): per model, tier and tenant (a key's tenant,
+# else its id: bounded by the keys file), and the gateway replica (a gauge per replica, summed).
+FLOW_LABELS = ("model", "tier", "tenant", "replica")
+QUEUE_WAIT_BUCKETS_S = [0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+METRICS.update({
+    "queue_depth": {"kind": "gauge", "labels": FLOW_LABELS,
+                    "help": "Requests waiting in a gateway replica's flow queue for a model."},
+    "queue_wait_seconds": {"kind": "histogram", "labels": (*FLOW_LABELS, "outcome"),
+                           "buckets": QUEUE_WAIT_BUCKETS_S,
+                           "help": "Time a request waited in a flow queue, by how it left: granted "
+                                   "(a slot; 0 when one was free), expired (503 after its tier's "
+                                   "max_queue_wait_s) or withdrawn (the client left)."},
+    "flow_inflight_bound": {"kind": "gauge", "labels": ("model", "replica"),
+                            "help": "Requests a gateway replica lets a model have in flight now "
+                                    "(the flow queue's adaptive bound)."},
+})
 
 # vLLM 0.32's engine metrics as RayPrometheusStatLogger exports them: vLLM's "vllm:" becomes
 # "vllm_" (OpenTelemetry names allow no colon) and Ray adds "ray_". Labels: model_name, engine,
@@ -284,3 +302,35 @@ class BatchMetrics:
 
     def pending_now(self, lines: int) -> None:
         self.pending.set(lines, tags={"replica": self.replica})
+
+
+@dataclass
+class FlowMetrics:
+    """The flow queues' depth, waits and bound (``serve_app.gateway.flow.Flow`` feeds it)."""
+
+    depth: Gauge
+    wait: Histogram
+    bound: Gauge
+    replica: str
+
+    @classmethod
+    def create(cls, replica: str) -> FlowMetrics:
+        return cls(depth=_made("queue_depth"), wait=_made("queue_wait_seconds"),
+                   bound=_made("flow_inflight_bound"), replica=replica)
+
+    @classmethod
+    def for_this_replica(cls) -> FlowMetrics:
+        """Labelled by the gateway replica this runs in (``local`` outside one)."""
+        return cls.create(ProcessMetrics.for_this_replica("gateway").tags["replica"])
+
+    def queue_depth(self, *, model: str, tier: str, tenant: str, depth: int) -> None:
+        self.depth.set(depth, tags={"model": model, "tier": tier, "tenant": tenant,
+                                    "replica": self.replica})
+
+    def queue_waited(self, *, model: str, tier: str, tenant: str, seconds: float,
+                     outcome: str) -> None:
+        self.wait.observe(seconds, tags={"model": model, "tier": tier, "tenant": tenant,
+                                         "replica": self.replica, "outcome": outcome})
+
+    def inflight_bound(self, *, model: str, bound: int) -> None:
+        self.bound.set(bound, tags={"model": model, "replica": self.replica})

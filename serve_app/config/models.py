@@ -240,6 +240,51 @@ class AdmissionConfig(_Strict):
     )
 
 
+class FlowConfig(_Strict):
+    """The gateway-side queue of one model (``serve_app.gateway.flow``): a request goes to the engine
+    only while the model's in-flight requests are under a bound that keeps the top tier's TTFT
+    objective; otherwise it waits at the gateway, dequeued by tier band and fairly between tenants.
+    Off by default: admission then behaves as without a queue (capacity and ``shed_at`` only)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Queue requests at the gateway for this model (off: today's admission, for A/B).",
+    )
+    max_inflight_per_replica: PositiveInt | None = Field(
+        default=None,
+        description="Most requests in flight per running model replica (all gateway replicas "
+        "together); None: engine.max_num_seqs, else deployment.max_ongoing_requests.",
+    )
+    min_inflight_per_replica: PositiveInt | None = Field(
+        default=None,
+        description="The adaptive bound never goes below this per running model replica (nor "
+        "above its ceiling); None: a quarter of the ceiling. A floor of 4 of 64 cut throughput "
+        "to a third in the flow bench at 4x load, where slow first tokens came from a starved "
+        "CPU that a smaller batch does not help.",
+    )
+    adaptive: bool = Field(
+        default=True,
+        description="Tighten the bound while the engine's recent time to first token (the handle "
+        "and engine stages) is over target_share of the top tier's TTFT objective, and loosen it "
+        "again while requests wait and the engine keeps up (AIMD).",
+    )
+    target_share: float = Field(
+        default=0.5, gt=0.0, le=1.0,
+        description="Share of the top tier's TTFT objective that the engine's own time to first "
+        "token may take (the rest is the front door, the gateway and the relay).",
+    )
+    quantum_tokens: PositiveInt = Field(
+        default=1024,
+        description="Deficit round-robin quantum: the tokens (reservation: prompt estimate plus "
+        "completion bound) a tenant may send per turn within a tier band.",
+    )
+    max_waiting: PositiveInt = Field(
+        default=1024,
+        description="Most requests waiting in one gateway replica's queue for this model; past "
+        "it a request is answered 503 with Retry-After.",
+    )
+
+
 class SyntheticUpstream(_Strict):
     """A model replica with no engine that streams made-up tokens (for sizing the gateway)."""
 
@@ -268,6 +313,7 @@ class ModelConfig(_Strict):
     accelerator: Accelerator = Field(default_factory=Accelerator)
     env: dict[str, str] = Field(default_factory=dict)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    flow: FlowConfig = Field(default_factory=FlowConfig)
     fallback: str | None = Field(
         default=None,
         description="Another model id that answers when this one is unavailable or its queue "
@@ -419,6 +465,19 @@ class TierConfig(_Strict):
         default_factory=Limits, description="The default limits of each key of the tier."
     )
     shed_at: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_queue_wait_s: PositiveFloat | None = Field(
+        default=None,
+        description="Longest a request of this tier waits in a model's gateway queue (flow.enabled) "
+        "before it is answered 503 with Retry-After; None: the tier's TTFT objective (a request "
+        "that waited longer has missed it anyway).",
+    )
+
+    @property
+    def queue_wait_s(self) -> float:
+        """How long a request of this tier may wait in a gateway queue."""
+        if self.max_queue_wait_s is not None:
+            return self.max_queue_wait_s
+        return self.objectives.ttft_p95_ms / 1000
 
 
 MAX_BODY_LIMIT = 32 * 1024 * 1024  # half the replica gRPC message limit (serve_app/local/front_door.py)

@@ -4,10 +4,13 @@
 
 1. the tier policy (``tiers``) clamps the endpoint's max-token field to the tier's cap,
 2. the capacity (``capacity``) takes a slot on the first candidate model with room (503 when
-   none has; a batch tier is shed first),
+   none has; a batch tier is shed first); for a model with ``flow.enabled``, the flow queue
+   (``flow``) takes a slot if one is free under its bound, or else a place in its queue,
 3. the limit charge (``charge``) reserves tokens and charges every configured limit at once
    (key and tier, RPM, TPM and concurrency).
 
+``Admission.queue`` then waits for a queued request's slot (the ``queue`` stage; nothing to wait
+for without a flow queue); a request that times out there, or leaves, is refunded its charge.
 The returned ``Ticket`` is settled exactly once when the request ends, with the real token usage.
 A model with no running replica is not refused here: the forwarder's outage guard holds such a
 request at most ``gateway.unavailable_hold_s`` (``capacity``, ``outage``).
@@ -15,6 +18,7 @@ request at most ``gateway.unavailable_hold_s`` (``capacity``, ``outage``).
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,9 +27,11 @@ from typing import Any
 from serve_app.config import AppConfig, KeyRecord, TierConfig
 from serve_app.gateway import charge
 from serve_app.gateway.capacity import Capacity
+from serve_app.gateway.flow import Flow, Waiter
 from serve_app.gateway.limits import Charge, LimitBackend, clock
 from serve_app.gateway.replicas import LiveReplicas
 from serve_app.gateway.tiers import TierPolicy
+from serve_app.gateway.timing import StageClock
 from serve_app.protocol import MAX_TOKENS_FIELDS, Endpoint
 
 _BYTES_PER_TOKEN = 4  # a rough prompt estimate for the reservation; settled to the truth later
@@ -42,6 +48,8 @@ class Ticket:
     gauges: list[Charge] = field(default_factory=list)
     headers: dict[str, str] = field(default_factory=dict)
     settled: bool = False
+    waiter: Waiter | None = None  # its slot, or its place in a flow queue
+    clock: StageClock | None = None  # its stages: the flow queue learns from the engine's TTFT
 
 
 class Admission:
@@ -54,6 +62,7 @@ class Admission:
         self.replicas = replicas
         self.tiers = TierPolicy(cfg)
         self.capacity = Capacity(cfg, replicas)
+        self.flow = Flow(cfg, self.capacity)
         self._context = {m.id: m.engine.max_model_len for m in cfg.models}
 
     @property
@@ -80,27 +89,52 @@ class Admission:
         budget = self.tiers.clamp_max_tokens(body, key, fields)
         prompt = math.ceil(body_bytes / _BYTES_PER_TOKEN)
         tier = self.tiers.tier(key)
-        model_id = self.capacity.take(model_ids, key.tier, tier)
-        # The engine never makes more than the context left after the prompt (agents ask for
-        # 32k-64k max_tokens), so the reservation is clamped to it, and one turn does not take a
-        # minute's token budget. The prompt is only estimated here; the settlement corrects it.
-        completion = budget.tokens
-        context = self._context.get(model_id)
-        if context:
-            completion = min(completion, max(1, context - prompt))
-        reserve = completion + prompt
+        # The flow queue's deficit round-robin weighs a request by its reservation on the primary.
+        waiter = self.flow.reserve(model_ids, key.tier, tier, key.tenant_id,
+                                   self._reservation(model_ids[0], budget.tokens, prompt)[1])
+        model_id = waiter.model_id
+        completion, reserve = self._reservation(model_id, budget.tokens, prompt)
         try:
             hold = await charge.charge(self.backend, key, self.tiers.key_limits(key), tier.limits,
                                        reserve, budget.field, clock())
         except BaseException:
-            self.capacity.release(model_id)
+            self.flow.withdraw(waiter)
             raise
-        return Ticket(model_id, reserve, completion, hold.token_charges, hold.gauges, hold.headers)
+        return Ticket(model_id, reserve, completion, hold.token_charges, hold.gauges, hold.headers,
+                      waiter=waiter)
+
+    def _reservation(self, model_id: str, budget: int, prompt: int) -> tuple[int, int]:
+        """(completion, completion + prompt) tokens to reserve on ``model_id``."""
+        # The engine never makes more than the context left after the prompt (agents ask for
+        # 32k-64k max_tokens), so the reservation is clamped to it, and one turn does not take a
+        # minute's token budget. The prompt is only estimated here; the settlement corrects it.
+        completion = budget
+        context = self._context.get(model_id)
+        if context:
+            completion = min(completion, max(1, context - prompt))
+        return completion, completion + prompt
+
+    async def queue(self, ticket: Ticket, stage_clock: StageClock | None = None) -> bool:
+        """Wait for the ticket's slot if it is queued (``flow``); at once otherwise. A request
+        that waits past its tier's bound (503 with Retry-After) or leaves meanwhile takes nothing
+        with it: its place or slot is given back and its charge refunded in full. True when the
+        ticket's model has a flow queue (its wait is the ``queue`` stage, 0 when a slot was free)."""
+        ticket.clock = stage_clock
+        if ticket.waiter is None:
+            return False
+        try:
+            await self.flow.wait(ticket.waiter)
+        except BaseException:
+            await asyncio.shield(self.settle(ticket, 0))
+            raise
+        return self.flow.enabled(ticket.model_id)
 
     def move(self, ticket: Ticket, key: KeyRecord, model_id: str) -> None:
-        """Move an admitted request to another model (its fallback) if that one has room."""
-        self.capacity.take([model_id], key.tier, self.tiers.tier(key))
-        self.capacity.release(ticket.model_id)
+        """Move an admitted request to another model (its fallback) if that one has room now."""
+        self.flow.take_now(model_id, key.tier, self.tiers.tier(key))
+        self.flow.release(ticket.model_id)
+        if ticket.waiter is not None:
+            ticket.waiter.model_id = model_id
         ticket.model_id = model_id
 
     async def settle(self, ticket: Ticket, used_tokens: int | None) -> None:
@@ -108,6 +142,14 @@ class Admission:
         if ticket.settled:
             return
         ticket.settled = True
-        self.capacity.release(ticket.model_id)
+        if ticket.waiter is None:
+            self.capacity.release(ticket.model_id)
+        else:
+            if ticket.waiter.granted and ticket.clock is not None:
+                stages = ticket.clock.durations()
+                if "engine" in stages:
+                    self.flow.observe(ticket.model_id, ticket.waiter.band,
+                                      stages.get("handle", 0.0) + stages["engine"])
+            self.flow.withdraw(ticket.waiter)
         await charge.refund(self.backend, ticket.gauges, ticket.token_charges,
                             ticket.reserved_tokens, used_tokens, clock())

@@ -14,6 +14,10 @@ down: the one hold. The gateway enforces the capacity
 itself: Ray Serve's ``max_queued_requests`` is counted per caller and only for requests waiting to
 be routed, so a burst can pass it. The slot is taken in the same step as the check, with no
 ``await`` between, so a burst cannot pass it here.
+
+A model with a flow queue (``flow``) counts its slots here too, and applies both bounds to
+everything it holds, waiting requests included (``refusal``); its own in-flight bound starts from
+``engine_slots``.
 """
 
 from __future__ import annotations
@@ -70,9 +74,25 @@ class Capacity:
     def release(self, model_id: str) -> None:
         self.inflight[model_id] -= 1
 
-    def _refusal(self, model_id: str, tier_name: str, tier: TierConfig) -> errors.ServiceUnavailable | None:
+    def engine_slots(self, model_id: str) -> int:
+        """Requests one model replica runs at once, for the flow queue's bound
+        (``flow.max_inflight_per_replica``, else ``engine.max_num_seqs``, else the deployment's
+        ``max_ongoing_requests``)."""
+        m = self._models[model_id]
+        return (m.flow.max_inflight_per_replica or m.engine.max_num_seqs
+                or m.deployment.max_ongoing_requests)
+
+    def refusal(self, model_id: str, tier_name: str, tier: TierConfig,
+                waiting: int = 0) -> errors.ServiceUnavailable | None:
+        """Why a request of ``tier`` may not be held for the model now, or None. ``waiting``: the
+        requests this replica holds in its flow queue for the model, counted like those in flight
+        (the flow queue applies ``shed_at`` and the capacity to everything it holds)."""
+        return self._refusal(model_id, tier_name, tier, waiting)
+
+    def _refusal(self, model_id: str, tier_name: str, tier: TierConfig,
+                 waiting: int = 0) -> errors.ServiceUnavailable | None:
         # Each gateway replica sees its share of the traffic; scale its count to the whole.
-        load = self.inflight[model_id] * self.cfg.gateway.num_replicas
+        load = (self.inflight[model_id] + waiting) * self.cfg.gateway.num_replicas
         retry = self.cfg.gateway.retry_after_s
         capacity, saturation = self.bounds(model_id)
         if capacity is not None and load >= capacity:

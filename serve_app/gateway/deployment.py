@@ -27,7 +27,7 @@ from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.replicas import LiveReplicas, serve_status_fetch
 from serve_app.gateway.routing import Router
 from serve_app.gateway.usage import MemoryUsageStore, RedisUsageStore, Usage, UsageStore
-from serve_app.metrics import GatewayMetrics, ProcessMetrics, StageMetrics
+from serve_app.metrics import FlowMetrics, GatewayMetrics, ProcessMetrics, StageMetrics
 from serve_app.runtime import logflush, niceness
 from serve_app.runtime.procwatch import LoopWatch
 
@@ -70,6 +70,7 @@ class Gateway:
         )
         self.replicas.start()
         self.admission = Admission(cfg, backend, self.replicas)
+        self.admission.flow.attach(FlowMetrics.for_this_replica())
         outage = OutageGuard(cfg.gateway.unavailable_hold_s, self.replicas)
         drain = Drain(cfg.gateway.drain_timeout_s, self.replicas)
         forwarder = Forwarder(handles, cfg.gateway, outage, drain)
@@ -157,6 +158,8 @@ class Gateway:
                 }
                 for m in self.deps.cfg.models
             },
+            # The flow queues (models with flow.enabled): bound, in flight, who waits how long.
+            "flow": self.admission.flow.snapshot(),
         }
 
     async def batches(self, limit: int = 20) -> list[dict[str, Any]]:

@@ -82,6 +82,13 @@ class Pipeline:
             await self.usage.rejected(key, model_id, _rejection_reason(exc))
             raise
         clock.mark("admission")
+        try:
+            queued = await self.admission.queue(ticket, clock)  # the model's flow queue, if it has one
+        except errors.ServiceUnavailable:
+            await self.usage.rejected(key, ticket.model_id, "queue_timeout")
+            raise
+        if queued:
+            clock.mark("queue")
         if ticket.model_id != model_id:
             logger.warning("model %s has no room; falling back to %s", model_id, ticket.model_id)
         ledger = Ledger(key, self.admission.tier(key), ticket, self.admission, self.usage, fallback,

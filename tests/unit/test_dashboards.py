@@ -80,7 +80,8 @@ def test_every_metric_a_dashboard_or_alert_reads_is_declared() -> None:
     # every gateway metric is on a dashboard
     assert {n for n in declared if n.startswith("ray_serve_app_") and not n.endswith(("_sum",))} - used <= {
         "ray_serve_app_slo_misses_total", "ray_serve_app_tokens_total",
-        "ray_serve_app_ttft_seconds", "ray_serve_app_tpot_seconds", "ray_serve_app_stage_seconds"}
+        "ray_serve_app_ttft_seconds", "ray_serve_app_tpot_seconds", "ray_serve_app_stage_seconds",
+        "ray_serve_app_queue_wait_seconds"}
 
 
 def test_each_tier_has_its_objectives_as_thresholds() -> None:
@@ -96,6 +97,16 @@ def test_each_tier_has_its_objectives_as_thresholds() -> None:
             assert f'tier=\\"{name}\\"' in json.dumps(panel["targets"])
         share = json.dumps(by_title[f"{name}: share of requests within objective"]["targets"])
         assert f'le=\\"{le(tier.objectives.ttft_p95_ms / 1000)}\\"' in share
+
+
+def test_the_capacity_board_has_a_flow_queue_row() -> None:
+    capacity = _dashboards()["serve-app-capacity"]
+    rows = [p["title"] for p in capacity["panels"] if p.get("type") == "row"]
+    assert "Gateway flow queue" in rows
+    exprs = json.dumps([p["targets"] for p in _panels(capacity) if p["title"].startswith("Flow queue")])
+    for metric in ("queue_depth", "queue_wait_seconds_bucket", "flow_inflight_bound"):
+        assert f"ray_serve_app_{metric}" in exprs
+    assert "sum by (model, tenant)" in exprs and "sum by (le, tier)" in exprs
 
 
 def test_concrete_replaces_grafanas_range_variable() -> None:

@@ -1,0 +1,516 @@
+"""The gateway's flow queue on and off, under the same load (issue 23).
+
+``python -m loadtests.bench.flow`` starts ``configs/local.yaml`` twice through the harness
+(``loadtests.harness.stack.start_stack``): first with tiny-chat's queue off (``flow.enabled:
+false``, today's admission), then on; nothing else differs. One key per role is made with the
+public ``serve-app keys create``, by default with its per-key RPM, TPM and concurrency limits
+lifted (``--key-limits lifted``): otherwise local.yaml's batch key (300 RPM) and standard key
+(600 RPM) answer 429 long before the engine is loaded, and the queue is never reached. Closed-loop users (each sends one streaming chat request, reads it
+to the end, and sends the next; after a 429/503 it waits ``--backoff`` s) drive it from this
+process, prompts from ``loadtests/data``, ``max_tokens`` capped at ``--max-tokens``:
+
+(a) **Tiers under overload.** A mix of premium and batch users (``--premium-share`` of them
+    premium). With the queue off, the users step up (``--search-users``, ``--search-duration`` s
+    each) until premium's TTFT p95 first misses its objective: that is the base load L (or give
+    ``--base-users``). Then, in both modes, ``--duration`` s at 2L and at 4L: premium's and batch's
+    TTFT p95, rejections (429/503) and output tokens/s.
+(b) **Fairness.** Two keys of one tier (``--fair-tier``): a quiet one at concurrency ``--quiet``
+    (2) alone (its solo baseline), then with a noisy one at ``--noisy`` (32). The quiet key's TTFT
+    p95 against its solo baseline, and Jain's index of the two keys' goodput (output tokens/s of
+    answers within the tier's TTFT objective), each normalised by its max-min fair share (Jain
+    1984): the quiet key's share is the smaller of its solo goodput and half the total, the noisy
+    key's is the rest. 1.0 is a fair split, 0.5 one key with everything.
+(c) **Throughput.** Total output tokens/s of (a), queue on over queue off.
+
+TTFT is the client's own (from sending the request to the first content token); the machine is a
+shared 2-core one where this client, the gateway and the engine compete for the cores, so compare
+the two modes of one run, not absolute figures across runs. Results: ``results/bench/flow-<stamp>``
+``.json``, ``.md`` and ``.png`` (``--results-dir``). Traffic goes to 127.0.0.1 only; each stack is
+stopped at the end, also on failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from loadtests.bench import procs
+from loadtests.bench.procs import require_loopback, say
+from loadtests.harness import stack as harness
+from loadtests.harness.stack import ROOT
+from loadtests.prompts import Prompt, load_prompts
+from loadtests.sla import Objective, read_objectives
+
+MODEL = "tiny-chat"
+REQUEST_TIMEOUT_S = 120.0
+MODES = ("off", "on")
+MULTIPLES = (2, 4)
+
+
+# ---- numbers -----------------------------------------------------------------------------------
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def jain(xs: Sequence[float]) -> float | None:
+    """Jain's fairness index: (sum x)^2 / (n sum x^2); 1.0 when all are equal, 1/n when one has all."""
+    if not xs or not any(xs):
+        return None
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs))
+
+
+def fair_shares(goodput: Mapping[str, float], demand: Mapping[str, float]) -> dict[str, float]:
+    """Max-min fair shares of the total goodput: a key whose demand (its goodput alone) is under an
+    equal split gets its demand, and the others split the rest equally."""
+    left = sum(goodput.values())
+    keys = sorted(goodput, key=lambda k: demand.get(k, math.inf))
+    shares: dict[str, float] = {}
+    for i, k in enumerate(keys):
+        share = min(demand.get(k, math.inf), left / (len(keys) - i))
+        shares[k] = share
+        left -= share
+    return shares
+
+
+def fair_jain(goodput: Mapping[str, float], demand: Mapping[str, float]) -> float | None:
+    """Jain's index of each key's goodput over its max-min fair share."""
+    shares = fair_shares(goodput, demand)
+    return jain([goodput[k] / shares[k] if shares[k] > 0 else 0.0 for k in goodput])
+
+
+@dataclass
+class Sample:
+    """One request as the client saw it."""
+
+    key: str
+    tier: str
+    start: float
+    end: float
+    status: int  # 0: no answer (timeout, connection error)
+    ttft_ms: float | None = None
+    tokens: int = 0
+
+
+def summarise(samples: Sequence[Sample], objective_ms: Mapping[str, float],
+              group: str = "tier") -> dict[str, dict[str, Any]]:
+    """Per tier (or key): requests, answers, rejections, TTFT p50/p95, output and goodput tokens/s
+    (over the span from the first start to the last end of the whole set)."""
+    if not samples:
+        return {}
+    span = max(s.end for s in samples) - min(s.start for s in samples)
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted({getattr(s, group) for s in samples}):
+        mine = [s for s in samples if getattr(s, group) == name]
+        ok = [s for s in mine if s.status == 200 and s.ttft_ms is not None]
+        ttft = [s.ttft_ms for s in ok if s.ttft_ms is not None]
+        obj = objective_ms[mine[0].tier]
+        good = [s for s in ok if s.ttft_ms is not None and s.ttft_ms <= obj]
+        p50, p95 = percentile(ttft, 0.5), percentile(ttft, 0.95)
+        out[name] = {
+            "tier": mine[0].tier,
+            "requests": len(mine),
+            "ok": len(ok),
+            "rejected": sum(s.status in (429, 503) for s in mine),
+            "rejected_503": sum(s.status == 503 for s in mine),
+            "failed": sum(s.status not in (200, 429, 503) for s in mine),
+            "ttft_p50_ms": None if p50 is None else round(p50, 1),
+            "ttft_p95_ms": None if p95 is None else round(p95, 1),
+            "objective_ms": obj,
+            "output_tok_s": round(sum(s.tokens for s in ok) / span, 1) if span > 0 else 0.0,
+            "goodput_tok_s": round(sum(s.tokens for s in good) / span, 1) if span > 0 else 0.0,
+        }
+    return out
+
+
+def total_tok_s(samples: Sequence[Sample]) -> float:
+    if not samples:
+        return 0.0
+    span = max(s.end for s in samples) - min(s.start for s in samples)
+    return round(sum(s.tokens for s in samples if s.status == 200) / span, 1) if span > 0 else 0.0
+
+
+# ---- the load ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Users:
+    """``count`` closed-loop users on one key."""
+
+    key: str
+    secret: str
+    tier: str
+    count: int
+
+
+async def stream_once(client: httpx.AsyncClient, url: str, u: Users, prompt: Prompt,
+                      max_tokens: int) -> Sample:
+    """One streaming chat request: its status, time to the first content token, output tokens."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt.text}],
+            "max_tokens": min(prompt.max_tokens, max_tokens), "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    s = Sample(u.key, u.tier, time.monotonic(), 0.0, 0)
+    try:
+        async with client.stream("POST", url, json=body,
+                                 headers={"Authorization": f"Bearer {u.secret}"}) as r:
+            s.status = r.status_code
+            if r.status_code == 200:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = orjson.loads(line[6:])
+                    if "error" in event:
+                        s.status = 0
+                        break
+                    if s.ttft_ms is None and any((c.get("delta") or {}).get("content")
+                                                 for c in event.get("choices") or []):
+                        s.ttft_ms = (time.perf_counter() - t0) * 1000
+                    usage = event.get("usage")
+                    if usage:
+                        s.tokens = int(usage.get("completion_tokens") or 0)
+            else:
+                await r.aread()
+    except (httpx.HTTPError, TimeoutError):
+        s.status = 0
+    s.end = time.monotonic()
+    return s
+
+
+async def run_load(base_url: str, groups: Sequence[Users], duration_s: float, prompts: Sequence[Prompt],
+                   max_tokens: int, backoff_s: float, seed: int = 0) -> list[Sample]:
+    """Every user of ``groups`` in a closed loop for ``duration_s``; the requests still running
+    then are read to their end (bounded) and counted."""
+    url = f"{base_url}/chat/completions"
+    samples: list[Sample] = []
+    n = sum(g.count for g in groups)
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    stop_at = time.monotonic() + duration_s
+
+    async def user(u: Users, i: int) -> None:
+        rng = random.Random(seed * 7919 + i)
+        while time.monotonic() < stop_at:
+            t = time.monotonic()
+            try:
+                s = await asyncio.wait_for(stream_once(client, url, u, rng.choice(prompts), max_tokens),
+                                           REQUEST_TIMEOUT_S + 5)
+            except TimeoutError:
+                s = Sample(u.key, u.tier, t, time.monotonic(), 0)
+            samples.append(s)
+            if s.status != 200:
+                await asyncio.sleep(backoff_s)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S), limits=limits) as client:
+        tasks = []
+        i = 0
+        for g in groups:
+            for _ in range(g.count):
+                tasks.append(asyncio.create_task(user(g, i)))
+                i += 1
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return samples
+
+
+# What --key-limits lifted sets on each bench key (``serve-app keys create`` overrides): the load is
+# meant to reach the engine and its queue, not to stop at one key's rate limits.
+LIFTED = {"rpm": 1_000_000, "tpm": 1_000_000_000, "max-concurrent": 4096}
+
+
+def make_key(keys_file: Path, key_id: str, tier: str, limits: str) -> str:
+    """A key made with the public ``serve-app keys create``; with ``limits`` "lifted" its per-key
+    RPM, TPM and concurrency are overridden (``LIFTED``), with "tier" it keeps its tier's."""
+    argv = [*harness.CLI, "keys", "create", "--keys-file", str(keys_file), "--id", key_id,
+            "--tier", tier, "--models", "*"]
+    if limits == "lifted":
+        for name, value in LIFTED.items():
+            argv += [f"--{name}", str(value)]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"serve-app keys create --id {key_id} failed: {done.stderr[-500:]}")
+    return lines[-1].strip()
+
+
+def mix(users: int, share: float, keys: Mapping[str, str]) -> list[Users]:
+    """``users`` split into premium (``share``, at least one) and batch users."""
+    premium = max(1, round(users * share))
+    return [Users("premium", keys["premium"], "premium", premium),
+            Users("batch", keys["batch"], "batch", max(0, users - premium))]
+
+
+# ---- one mode ----------------------------------------------------------------------------------
+def flow_edit(on: bool) -> Any:
+    """The config edit of a mode: tiny-chat's flow queue on or off (nothing else changes)."""
+    def edit(args: dict[str, Any]) -> None:
+        for m in args["models"]:
+            if m["id"] == MODEL:
+                m["flow"] = {**(m.get("flow") or {}), "enabled": on}
+    return edit
+
+
+def level(samples: list[Sample], objective_ms: Mapping[str, float], users: int) -> dict[str, Any]:
+    return {"users": users, "tiers": summarise(samples, objective_ms),
+            "total_output_tok_s": total_tok_s(samples)}
+
+
+def search_base(base_url: str, keys: Mapping[str, str], ns: argparse.Namespace,
+                prompts: Sequence[Prompt], objective_ms: Mapping[str, float]) -> tuple[int, list[dict[str, Any]]]:
+    """The first users level whose premium TTFT p95 misses its objective (queue off)."""
+    steps = []
+    for users in ns.search_users:
+        samples = asyncio.run(run_load(base_url, mix(users, ns.premium_share, keys), ns.search_duration,
+                                       prompts, ns.max_tokens, ns.backoff, seed=users))
+        lv = level(samples, objective_ms, users)
+        steps.append(lv)
+        p95 = lv["tiers"].get("premium", {}).get("ttft_p95_ms")
+        say(f"search: {users} users -> premium TTFT p95 {p95} ms (objective {objective_ms['premium']:g})")
+        if p95 is None or p95 > objective_ms["premium"]:
+            return users, steps
+    return ns.search_users[-1], steps
+
+
+def run_mode(mode: str, ns: argparse.Namespace, config: Path, workdir: Path, prompts: list[Prompt],
+             objective_ms: Mapping[str, float], base_users: int | None) -> dict[str, Any]:
+    """One stack with the queue ``mode`` (off/on): the search (off, unless given), 2L and 4L, and
+    the fairness pair."""
+    key_ids = {"premium": "premium", "batch": "batch", "noisy": ns.fair_tier, "quiet": ns.fair_tier}
+    (workdir / mode).mkdir(parents=True, exist_ok=True)
+    # The stack's keys file (start_stack's workdir/keys.yaml), made before it starts.
+    keys = {kid: make_key(workdir / mode / "keys.yaml", kid, tier, ns.key_limits)
+            for kid, tier in key_ids.items()}
+    stack = harness.start_stack(config, workdir / mode, edit=flow_edit(mode == "on"),
+                                retries=1, say=say)
+    out: dict[str, Any] = {"mode": mode}
+    try:
+        require_loopback(stack.base_url)
+        asyncio.run(run_load(stack.base_url, mix(4, 0.5, keys), ns.warmup, prompts, ns.max_tokens,
+                             ns.backoff))  # engines warm, series made
+        if base_users is None:
+            base_users, out["search"] = search_base(stack.base_url, keys, ns, prompts, objective_ms)
+        out["base_users"] = base_users
+        out["levels"] = {}
+        for m in MULTIPLES:
+            users = m * base_users
+            say(f"[{mode}] {m}x: {users} users for {ns.duration:g} s")
+            samples = asyncio.run(run_load(stack.base_url, mix(users, ns.premium_share, keys),
+                                           ns.duration, prompts, ns.max_tokens, ns.backoff, seed=m))
+            out["levels"][str(m)] = level(samples, objective_ms, users)
+            say(f"[{mode}] {m}x: {out['levels'][str(m)]}")
+        quiet = Users("quiet", keys["quiet"], ns.fair_tier, ns.quiet)
+        noisy = Users("noisy", keys["noisy"], ns.fair_tier, ns.noisy)
+        say(f"[{mode}] fairness: quiet key alone at concurrency {ns.quiet}")
+        solo = asyncio.run(run_load(stack.base_url, [quiet], ns.duration, prompts, ns.max_tokens,
+                                    ns.backoff, seed=1))
+        say(f"[{mode}] fairness: quiet ({ns.quiet}) beside noisy ({ns.noisy})")
+        both = asyncio.run(run_load(stack.base_url, [quiet, noisy], ns.duration, prompts,
+                                    ns.max_tokens, ns.backoff, seed=2))
+        out["fairness"] = fairness(solo, both, objective_ms)
+        say(f"[{mode}] fairness: {out['fairness']}")
+    finally:
+        stack.stop(say=say)
+    return out
+
+
+def fairness(solo: list[Sample], both: list[Sample], objective_ms: Mapping[str, float]) -> dict[str, Any]:
+    alone = summarise(solo, objective_ms, group="key").get("quiet", {})
+    keys = summarise(both, objective_ms, group="key")
+    goodput = {k: v["goodput_tok_s"] for k, v in keys.items()}
+    demand = {"quiet": alone.get("goodput_tok_s", 0.0)}
+    solo_p95 = alone.get("ttft_p95_ms")
+    quiet_p95 = keys.get("quiet", {}).get("ttft_p95_ms")
+    return {
+        "solo": alone, "keys": keys,
+        "quiet_ttft_vs_solo": (round(quiet_p95 / solo_p95, 2) if quiet_p95 and solo_p95 else None),
+        "jain_fair_share": (None if (j := fair_jain(goodput, demand)) is None else round(j, 3)),
+        "jain_raw": (None if (r := jain(list(goodput.values()))) is None else round(r, 3)),
+    }
+
+
+# ---- the report --------------------------------------------------------------------------------
+def _v(x: Any, fmt: str = "{:,.0f}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def markdown(doc: Mapping[str, Any]) -> str:
+    modes = doc["modes"]
+    obj = doc["objectives_ms"]
+    lines = [f"# Gateway flow queue: on vs off ({doc['timestamp']})", "",
+             f"`{doc['command']}` on `{doc['config']}`; base load L = {doc['base_users']} users "
+             f"({doc['premium_share']:.0%} premium, the rest batch), max_tokens ≤ {doc['max_tokens']}, "
+             f"{doc['duration_s']:g} s per level; the bench keys' own limits: "
+             f"{doc.get('key_limits', 'tier')} (lifted: RPM, TPM and concurrency overridden, so the "
+             "load reaches the engine; tier: the tiers' key_limits apply, and 429s count as "
+             "rejections). Shared 2-core machine (other sessions' work ran beside it): compare on "
+             "and off within this run, not across runs.", "",
+             "## (a) Tiers at 2x and 4x the load where premium first misses its objective", "",
+             "| load | queue | premium TTFT p95 (obj {p}) | premium rejected | batch TTFT p95 (obj {b}) "
+             "| batch rejected | output tok/s |".format(p=_v(obj["premium"]), b=_v(obj["batch"])),
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for m in MULTIPLES:
+        for mode in MODES:
+            lv = modes.get(mode, {}).get("levels", {}).get(str(m))
+            if lv is None:
+                continue
+            p, b = lv["tiers"].get("premium", {}), lv["tiers"].get("batch", {})
+            lines.append(f"| {m}x ({lv['users']} users) | {mode} | {_v(p.get('ttft_p95_ms'))} ms "
+                         f"| {p.get('rejected', 0)} of {p.get('requests', 0)} | {_v(b.get('ttft_p95_ms'))} ms "
+                         f"| {b.get('rejected', 0)} of {b.get('requests', 0)} | {_v(lv['total_output_tok_s'])} |")
+    search = modes.get("off", {}).get("search")
+    if search:
+        lines += ["", "Search (queue off): " + ", ".join(
+            f"{s['users']} users → premium p95 {_v(s['tiers'].get('premium', {}).get('ttft_p95_ms'))} ms"
+            for s in search)]
+    lines += ["", f"## (b) Fairness: a noisy key (concurrency {doc['noisy']}) and a quiet key "
+              f"({doc['quiet']}), tier {doc['fair_tier']}", "",
+              "| queue | quiet TTFT p95 solo | quiet TTFT p95 beside noisy | ratio (≤ 2) | quiet / noisy "
+              "goodput tok/s | Jain (fair share) | Jain (raw) | noisy rejected |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for mode in MODES:
+        f = modes.get(mode, {}).get("fairness")
+        if f is None:
+            continue
+        q, n = f["keys"].get("quiet", {}), f["keys"].get("noisy", {})
+        lines.append(f"| {mode} | {_v(f['solo'].get('ttft_p95_ms'))} ms | {_v(q.get('ttft_p95_ms'))} ms "
+                     f"| {_v(f['quiet_ttft_vs_solo'], '{:.2f}')} | {_v(q.get('goodput_tok_s'))} / "
+                     f"{_v(n.get('goodput_tok_s'))} | {_v(f['jain_fair_share'], '{:.3f}')} "
+                     f"| {_v(f['jain_raw'], '{:.3f}')} | {n.get('rejected', 0)} of {n.get('requests', 0)} |")
+    lines += ["", "## (c) Throughput", "", "| load | output tok/s off | on | on / off (≥ 0.95) |",
+              "| --- | --- | --- | --- |"]
+    for m in MULTIPLES:
+        off = modes.get("off", {}).get("levels", {}).get(str(m), {}).get("total_output_tok_s")
+        on = modes.get("on", {}).get("levels", {}).get(str(m), {}).get("total_output_tok_s")
+        ratio = on / off if on is not None and off else None
+        lines.append(f"| {m}x | {_v(off)} | {_v(on)} | {_v(ratio, '{:.2f}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: Mapping[str, Any], out: Path) -> Path:
+    """Three panels: premium and batch TTFT p95 per load (off/on), the quiet key's TTFT p95 (solo,
+    beside noisy), output tokens/s per load."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = doc["modes"]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 4.2))
+    labels = [f"{m}x" for m in MULTIPLES]
+    width = 0.2
+    for j, (mode, tier) in enumerate((("off", "premium"), ("on", "premium"), ("off", "batch"), ("on", "batch"))):
+        ys = [modes.get(mode, {}).get("levels", {}).get(str(m), {}).get("tiers", {}).get(tier, {})
+              .get("ttft_p95_ms") or 0 for m in MULTIPLES]
+        ax1.bar([i + (j - 1.5) * width for i in range(len(MULTIPLES))], ys, width, label=f"{tier}, queue {mode}")
+    ax1.axhline(doc["objectives_ms"]["premium"], color="red", ls="--", lw=1, label="premium objective")
+    ax1.set_yscale("log")
+    ax1.set_xticks(range(len(MULTIPLES)), labels)
+    ax1.set_ylabel("TTFT p95, ms (log)")
+    ax1.set_title("(a) tiers under overload", fontsize=9)
+    ax1.legend(fontsize=7)
+    for j, mode in enumerate(MODES):
+        f = modes.get(mode, {}).get("fairness") or {}
+        ys = [f.get("solo", {}).get("ttft_p95_ms") or 0,
+              f.get("keys", {}).get("quiet", {}).get("ttft_p95_ms") or 0]
+        ax2.bar([i + (j - 0.5) * 0.35 for i in range(2)], ys, 0.35, label=f"queue {mode} "
+                f"(Jain {_v(f.get('jain_fair_share'), '{:.2f}')})")
+    ax2.set_xticks(range(2), ["quiet alone", "quiet beside noisy"])
+    ax2.set_ylabel("quiet key's TTFT p95, ms")
+    ax2.set_title("(b) fairness", fontsize=9)
+    ax2.legend(fontsize=7)
+    for j, mode in enumerate(MODES):
+        ys = [modes.get(mode, {}).get("levels", {}).get(str(m), {}).get("total_output_tok_s") or 0
+              for m in MULTIPLES]
+        ax3.bar([i + (j - 0.5) * 0.35 for i in range(len(MULTIPLES))], ys, 0.35, label=f"queue {mode}")
+    ax3.set_xticks(range(len(MULTIPLES)), labels)
+    ax3.set_ylabel("output tokens/s")
+    ax3.set_title("(c) throughput", fontsize=9)
+    ax3.legend(fontsize=7)
+    for ax in (ax1, ax2, ax3):
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"gateway flow queue on vs off ({doc['timestamp']}, shared 2-core machine)", fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def parse_users(text: str) -> list[int]:
+    users = [int(x) for x in text.split(",") if x.strip()]
+    if not users or min(users) < 1:
+        raise argparse.ArgumentTypeError(f"users must be positive integers, not {text!r}")
+    return users
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtests.bench.flow", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/local.yaml")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds per measured level")
+    p.add_argument("--search-users", type=parse_users, default=[4, 8, 12, 16, 24, 32, 48, 64])
+    p.add_argument("--search-duration", type=float, default=20.0)
+    p.add_argument("--base-users", type=int, default=None, help="skip the search: L is this")
+    p.add_argument("--premium-share", type=float, default=0.25)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--backoff", type=float, default=1.0, help="a user's wait after a 429/503")
+    p.add_argument("--warmup", type=float, default=10.0)
+    p.add_argument("--key-limits", choices=("lifted", "tier"), default="lifted",
+                   help="lifted: the bench keys' RPM, TPM and concurrency limits are overridden "
+                        "(the load reaches the engine); tier: each key keeps its tier's limits")
+    p.add_argument("--fair-tier", default="standard")
+    p.add_argument("--noisy", type=int, default=32)
+    p.add_argument("--quiet", type=int, default=2)
+    p.add_argument("--results-dir", default=str(ROOT / "results" / "bench"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    run = procs.new_run("flow", "loadtests.bench.flow", ns.config, ns.results_dir, argv)
+    objectives: dict[str, Objective] = read_objectives(run.config)
+    for tier in ("premium", "batch", ns.fair_tier):
+        if tier not in objectives:
+            raise SystemExit(f"{run.config}: no tier {tier!r}")
+    objective_ms = {t: o.ttft_p95_ms for t, o in objectives.items()}
+    prompts = load_prompts()
+    workdir = Path(tempfile.mkdtemp(prefix="serve-app-flow-"))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    modes: dict[str, Any] = {}
+    base = ns.base_users
+    try:
+        for mode in MODES:
+            modes[mode] = run_mode(mode, ns, run.config, workdir, prompts, objective_ms, base)
+            base = modes[mode]["base_users"]
+    finally:
+        doc = {"command": run.command, "timestamp": run.stamp, "config": str(ns.config),
+               "base_users": base, "premium_share": ns.premium_share, "max_tokens": ns.max_tokens,
+               "duration_s": ns.duration, "noisy": ns.noisy, "quiet": ns.quiet,
+               "fair_tier": ns.fair_tier, "key_limits": ns.key_limits,
+               "objectives_ms": objective_ms, "modes": modes,
+               "workdir": str(workdir)}
+        if modes:
+            procs.write_results(run.base, doc, markdown(doc))
+            png = plot(doc, run.base.with_suffix(".png"))
+            say(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,79 @@
+"""The flow benchmark's arithmetic and report (loadtests.bench.flow), without a stack."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtests.bench import flow
+from loadtests.bench.flow import Sample
+from loadtests.harness.stack import ROOT, copy_config, read_config
+
+
+def test_jain_is_one_when_equal_and_one_over_n_when_one_has_all() -> None:
+    assert flow.jain([3.0, 3.0]) == pytest.approx(1.0)
+    assert flow.jain([5.0, 0.0]) == pytest.approx(0.5)
+    assert flow.jain([]) is None
+
+
+def test_fair_share_gives_a_small_demand_all_it_asks() -> None:
+    # The quiet key asks for 100 tok/s alone; 1000 in total: its fair share is its demand.
+    shares = flow.fair_shares({"quiet": 100.0, "noisy": 900.0}, {"quiet": 100.0})
+    assert shares == {"quiet": 100.0, "noisy": 900.0}
+    assert flow.fair_jain({"quiet": 100.0, "noisy": 900.0}, {"quiet": 100.0}) == pytest.approx(1.0)
+    # Starved to a tenth of its demand: unfair.
+    assert flow.fair_jain({"quiet": 10.0, "noisy": 990.0}, {"quiet": 100.0}) < 0.7
+
+
+def test_summarise_counts_rejections_ttft_and_goodput() -> None:
+    samples = [Sample("a", "premium", 0.0, 1.0, 200, 100.0, 10),
+               Sample("a", "premium", 0.0, 2.0, 200, 3000.0, 10),
+               Sample("a", "premium", 1.0, 1.1, 503)]
+    s = flow.summarise(samples, {"premium": 1000.0})["premium"]
+    assert (s["requests"], s["ok"], s["rejected"]) == (3, 2, 1)
+    assert s["output_tok_s"] == 10.0 and s["goodput_tok_s"] == 5.0  # 20 and 10 tokens over 2 s
+
+
+def test_the_edit_turns_only_tiny_chats_queue_on(tmp_path: Path) -> None:
+    cfg = copy_config(ROOT / "configs/local.yaml", tmp_path / "serve.yaml", port=1234,
+                      keys_file=tmp_path / "keys.yaml", edit=flow.flow_edit(True))
+    models = {m.id: m.flow.enabled for m in read_config(cfg).models}
+    assert models == {"tiny-chat": True, "minilm-embed": False}
+
+
+def _doc() -> dict[str, Any]:
+    tiers = {"premium": {"ttft_p95_ms": 800.0, "rejected": 0, "requests": 50},
+             "batch": {"ttft_p95_ms": 9000.0, "rejected": 4, "requests": 150}}
+    lv = {"users": 24, "tiers": tiers, "total_output_tok_s": 900.0}
+    fair = {"solo": {"ttft_p95_ms": 200.0}, "keys": {"quiet": {"ttft_p95_ms": 300.0, "goodput_tok_s": 50.0},
+                                                     "noisy": {"goodput_tok_s": 800.0}},
+            "quiet_ttft_vs_solo": 1.5, "jain_fair_share": 0.98, "jain_raw": 0.56}
+    mode = {"base_users": 12, "levels": {"2": lv, "4": lv}, "fairness": fair}
+    return {"command": "python -m loadtests.bench.flow", "timestamp": "t", "config": "configs/local.yaml",
+            "base_users": 12, "premium_share": 0.25, "max_tokens": 64, "duration_s": 60.0,
+            "noisy": 32, "quiet": 2, "fair_tier": "standard",
+            "objectives_ms": {"premium": 1000.0, "batch": 15000.0, "standard": 2500.0},
+            "modes": {"off": {**mode, "search": [{"users": 12, "tiers": tiers}]}, "on": mode}}
+
+
+def test_markdown_and_png(tmp_path: Path) -> None:
+    doc = _doc()
+    md = flow.markdown(doc)
+    assert "| 2x (24 users) | on | 800 ms | 0 of 50 | 9,000 ms | 4 of 150 | 900 |" in md
+    assert "| on | 200 ms | 300 ms | 1.50 | 50 / 800 | 0.980 | 0.560 |" in md
+    assert "| 4x | 900 | 900 | 1.00 |" in md
+    assert flow.plot(doc, tmp_path / "flow.png").stat().st_size > 1000
+
+
+def test_bench_keys_have_their_limits_lifted_or_kept(tmp_path: Path) -> None:
+    import yaml
+
+    keys_file = tmp_path / "keys.yaml"
+    assert flow.make_key(keys_file, "lifted", "batch", "lifted").startswith("sk-")
+    flow.make_key(keys_file, "kept", "batch", "tier")
+    rows = {k["id"]: k for k in yaml.safe_load(keys_file.read_text())["keys"]}
+    assert rows["lifted"]["limits"]["rpm"] == flow.LIFTED["rpm"]
+    assert rows["lifted"]["limits"]["max_concurrent"] == flow.LIFTED["max-concurrent"]
+    assert not rows["kept"].get("limits")
