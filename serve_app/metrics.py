@@ -62,6 +62,12 @@ METRICS: dict[str, dict[str, Any]] = {
                                        "the last report window (a periodic sleep's late wake-up)."},
     "process_cpu_seconds_total": {"kind": "counter", "labels": PROCESS_LABELS,
                                   "help": "CPU seconds (user + system) used by the process."},
+    "routing_decisions_total": {"kind": "counter", "labels": ("deployment", "decision"),
+                                "help": "Requests placed by the affinity router "
+                                        "(serve_app.engine.router): decision=affinity (at its "
+                                        "key's home), new (first sighting of its key), spill "
+                                        "(home over the load bound; the key re-homes), none "
+                                        "(no key)."},
 }
 
 # vLLM 0.32's engine metrics as RayPrometheusStatLogger exports them: vLLM's "vllm:" becomes
@@ -251,3 +257,17 @@ class ProcessMetrics:
     def cpu_used(self, seconds: float) -> None:
         if seconds > 0:
             self.cpu.inc(seconds, tags=self.tags)
+
+
+@dataclass
+class RouterMetrics:
+    """The affinity router's decisions (``serve_app.engine.router``), one counter per process."""
+
+    decisions: Counter
+
+    @classmethod
+    def create(cls) -> RouterMetrics:
+        return cls(decisions=_made("routing_decisions_total"))
+
+    def routed(self, *, deployment: str, decision: str) -> None:
+        self.decisions.inc(1, tags={"deployment": deployment, "decision": decision})
