@@ -53,7 +53,8 @@ TENANTS = 8
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
          "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu file edit "
          "read write test build diff patch function class module import return value").split()
-SAMPLE = re.compile(r'^(ray_vllm_[a-z_]+_total)\{([^}]*)\} ([0-9.eE+-]+)$')
+SAMPLE = re.compile(r'^(ray_vllm_[a-z_]+_total|ray_serve_app_routing_decisions_total)'
+                    r'\{([^}]*)\} ([0-9.eE+-]+)$')
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -67,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hot-sessions", type=int, default=16, help="the hot tenant's sessions")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=8, help="reply length per turn")
-    p.add_argument("--kv-mib", type=int, default=16, help="KV cache per replica (MiB; 1 KiB/token)")
+    p.add_argument("--kv-mib", type=int, default=14, help="KV cache per replica (MiB; 1 KiB/token)")
     p.add_argument("--load-factor", type=float, default=1.25)
     p.add_argument("--results-dir", default=str(ROOT / "results" / "bench"))
     return p.parse_args(argv)
@@ -109,7 +110,8 @@ def metrics_urls(stack: harness.Stack) -> list[str]:
             for p in sorted(session.glob("metrics_export_port_*"))]
 
 
-Counters = dict[tuple[str, str, str], float]  # (metric, model_name, ReplicaId) -> value
+# (metric, model_name, ReplicaId) -> value; for the router's decisions (metric, model, decision)
+Counters = dict[tuple[str, str, str], float]
 
 
 def scrape(urls: list[str]) -> Counters:
@@ -121,9 +123,14 @@ def scrape(urls: list[str]) -> Counters:
             m = SAMPLE.match(line)
             if not m or m.group(1) not in ("ray_vllm_prefix_cache_hits_total",
                                            "ray_vllm_prefix_cache_queries_total",
-                                           "ray_vllm_request_success_total"):
+                                           "ray_vllm_request_success_total",
+                                           "ray_serve_app_routing_decisions_total"):
                 continue
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            if m.group(1) == "ray_serve_app_routing_decisions_total":  # (metric, model, decision)
+                model = labels["deployment"].removeprefix("model-")
+                out[(m.group(1), model, labels.get("decision", ""))] += float(m.group(3))
+                continue
             out[(m.group(1), labels.get("model_name", ""), labels.get("ReplicaId", ""))] += float(m.group(3))
     return dict(out)
 
@@ -151,12 +158,14 @@ def engine_view(before: Counters, after: Counters, model: str) -> dict[str, Any]
         return dict(per)
     hits, queries = delta("ray_vllm_prefix_cache_hits_total"), delta("ray_vllm_prefix_cache_queries_total")
     requests = {r: int(v) for r, v in delta("ray_vllm_request_success_total").items()}
+    decisions = {d: int(v) for d, v in delta("ray_serve_app_routing_decisions_total").items() if v}
     counts = sorted(requests.values())
     return {
         "hit_ratio": sum(hits.values()) / max(1.0, sum(queries.values())),
         "replica_hit_ratio": {r: hits.get(r, 0.0) / max(1.0, q) for r, q in queries.items()},
         "replica_requests": requests,
         "skew": (counts[-1] / max(1, counts[0])) if len(counts) >= 2 else float("inf"),
+        "decisions": decisions,
     }
 
 
@@ -265,11 +274,26 @@ def client_view(results: list[dict[str, Any]]) -> dict[str, Any]:
     prompt = sum(r["prompt_tokens"] for r in results)
     return {"requests": len(results),
             "ttft_p50_ms": statistics.median(r["ttft_ms"] for r in results),
+            "ttft_p90_ms": statistics.quantiles([r["ttft_ms"] for r in results], n=10)[-1],
             "cached_ratio": sum(r["cached_tokens"] for r in results) / max(1, prompt),
             "prompt_tokens": prompt}
 
 
 # ---- report -------------------------------------------------------------------------------------------
+def replay_probe(stack: harness.Stack, ns: argparse.Namespace, sessions: list[Session]) -> dict[str, int]:
+    """Another tenant's key replays tenant 0's first turn with its session header: no cached token
+    (its cache_salt differs). Then tenant 0's own key replays it: cached (the control)."""
+    victim = next(s for s in sessions if s.tenant == 0)
+    first_user = victim.messages[0]["content"]
+    with httpx.Client(timeout=300) as client:
+        thief = Session(stack.keys["probe"], -1, victim.system, sid=victim.sid)
+        stolen = one_turn(client, stack.base_url, AFFINITY, thief, first_user, ns.max_tokens)
+        owner = Session(victim.key, 0, victim.system, sid=victim.sid)
+        own = one_turn(client, stack.base_url, AFFINITY, owner, first_user, ns.max_tokens)
+    return {"cached_tokens": stolen["cached_tokens"], "prompt_tokens": stolen["prompt_tokens"],
+            "owner_cached_tokens": own["cached_tokens"]}
+
+
 def markdown(doc: dict[str, Any]) -> str:
     p = doc["params"]
     lines = [
@@ -282,16 +306,18 @@ def markdown(doc: dict[str, Any]) -> str:
         "model's replicas; cached: the answers' cached_tokens over prompt tokens; skew: max/min "
         "requests per replica (vLLM's request_success).", "",
         "| Load | Router | Requests | Hit ratio (vLLM counters) | Cached (answers) | TTFT p50 ms | "
-        "Skew max/min | Requests per replica |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        "TTFT p90 ms | Skew max/min | Requests per replica | Router decisions |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for load in ("even", "hot"):
         for model, label in ((AFFINITY, "affinity"), (DEFAULT, "Ray Serve default")):
             r = doc["loads"][load][model]
             e, c = r["engine"], r["client"]
             per = " / ".join(str(v) for v in sorted(e["replica_requests"].values(), reverse=True))
+            decided = ", ".join(f"{k} {v}" for k, v in sorted(e["decisions"].items())) or "-"
             lines.append(f"| {load} | {label} | {c['requests']} | {e['hit_ratio']:.3f} | "
-                         f"{c['cached_ratio']:.3f} | {c['ttft_p50_ms']:.0f} | {e['skew']:.2f} | {per} |")
+                         f"{c['cached_ratio']:.3f} | {c['ttft_p50_ms']:.0f} | {c['ttft_p90_ms']:.0f} | "
+                         f"{e['skew']:.2f} | {per} | {decided} |")
     lines += [""]
     for load in ("even", "hot"):
         a, d = doc["loads"][load][AFFINITY], doc["loads"][load][DEFAULT]
@@ -348,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix_words = max(1, int(ns.prefix_tokens / per_word))
         user_words = max(1, int((ns.turn_tokens - ns.max_tokens) / per_word))
         loads: dict[str, dict[str, Any]] = {"even": {}, "hot": {}}
-        probe_session: Session | None = None
+        probe: dict[str, int] = {}
         for li, load in enumerate(("even", "hot")):
             for mi, model in enumerate((AFFINITY, DEFAULT)):
                 seed = 100 * li + mi  # fresh prompts per model and load
@@ -368,17 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                                       "client": client_view(results), "seconds": round(took, 1)}
                 say(f"{load} {model}: {json.dumps(loads[load][model])}")
                 if load == "even" and model == AFFINITY:
-                    probe_session = next(s for s in sessions if s.tenant == 0)
-        assert probe_session is not None
-        with httpx.Client(timeout=300) as client:
-            first_user = probe_session.messages[0]["content"]
-            thief = Session(stack.keys["probe"], -1, probe_session.system, sid=probe_session.sid)
-            stolen = one_turn(client, stack.base_url, AFFINITY, thief, first_user, ns.max_tokens)
-            owner = Session(tk[0], 0, probe_session.system, sid=probe_session.sid)
-            own = one_turn(client, stack.base_url, AFFINITY, owner, first_user, ns.max_tokens)
-        probe = {"cached_tokens": stolen["cached_tokens"], "prompt_tokens": stolen["prompt_tokens"],
-                 "owner_cached_tokens": own["cached_tokens"]}
-        say(f"probe: {probe}")
+                    probe = replay_probe(stack, ns, sessions)
+                    say(f"probe: {probe}")
     finally:
         stack.stop(say=say)
     doc = {"command": run.command, "timestamp": run.stamp,
