@@ -169,8 +169,8 @@ def test_claude_code_turns_land_on_one_replica(two_replicas: Stack, tmp_path: Pa
         print(f"\n[claude {args[0]}] exit {proc.returncode}; requests {bridge.requests}; "
               f"statuses {bridge.statuses}; stderr {proc.stderr[-800:]!r}")
         assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
-        served += sum(1 for r in bridge.requests if r.startswith("POST /v1/messages ")
-                      or r == "POST /v1/messages?beta=true")
+        # Generations only (count_tokens runs no engine request): "POST /v1/messages?beta=true".
+        served += sum(1 for r in bridge.requests if r.split("?")[0] == "POST /v1/messages")
     per_replica = _settled(stack, before, served)
     print(f"[claude] {served} generations; per replica {json.dumps(per_replica)}")
     assert served >= 2
