@@ -71,3 +71,9 @@ bench-flow: install
 
 clean:
 	rm -rf $(VENV) .local .pytest_cache
+
+# Agent sessions over 2 replicas of tiny-chat (KV capped): the affinity router against Ray Serve's
+# default router, in one run (docs/perf/affinity-*).
+.PHONY: bench-affinity
+bench-affinity: install
+	$(PY) -m loadtests.bench.affinity

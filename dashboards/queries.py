@@ -30,6 +30,7 @@ BATCHES = exported("batches_total")
 QUEUE_DEPTH = exported("queue_depth")
 QUEUE_WAIT = exported("queue_wait_seconds")
 FLOW_BOUND = exported("flow_inflight_bound")
+ROUTING = exported("routing_decisions_total")
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,28 @@ def engine_board() -> Board:
             Panel("Engine E2E latency p95", "s", (
                 Target(p95("ray_vllm_e2e_request_latency_seconds"), "{{model_name}}"),)),
         ]),
+        ("Replica affinity (serve_app.engine.router)", affinity_panels()),
     ])
+
+
+def affinity_panels() -> list[Panel]:
+    """Whether scale-out keeps the prefix cache: each replica's own hit rate, and how the affinity
+    router placed requests (a steady share of spills means the load bound is doing the work)."""
+    by = "model_name, ReplicaId"
+    queries = f"sum by ({by}) (rate(ray_vllm_prefix_cache_queries_total[{RATE}]))"
+    return [
+        Panel("Prefix-cache hit rate per replica", "percentunit", (
+            Target(_zero_if_none(f"sum by ({by}) (rate(ray_vllm_prefix_cache_hits_total[{RATE}]))",
+                                 queries) + f" / {queries}", "{{model_name}} {{ReplicaId}}"),),
+              description="vLLM's own counters (hit tokens over queried tokens) for each replica; "
+                          "with affinity routing on, each replica should hit about as often as one "
+                          "replica alone."),
+        Panel("Routing decisions/s", "reqps", (
+            Target(f"sum by (deployment, decision) (rate({ROUTING}[{RATE}]))",
+                   "{{deployment}} {{decision}}"),), stacked=True,
+              description="affinity: at the key's home; new: first sighting of a key; spill: the "
+                          "home was over the load bound and the key re-homed; none: no key."),
+    ]
 
 
 def capacity_board(cfg: AppConfig) -> Board:

@@ -10,12 +10,14 @@ from typing import Any, cast
 
 from pydantic import ValidationError
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Deployment
 
 from serve_app.config import AppConfig, ModelConfig, format_validation_error
 from serve_app.engine.autoscale import autoscaling_options, top_tier_objective_s
 from serve_app.engine.deployment import ModelServer
 from serve_app.engine.placement import actor_options, placement_bundles, placement_strategy
+from serve_app.engine.router import ROUTER_PATH
 from serve_app.gateway.deployment import Gateway
 
 GATEWAY_DEPLOYMENT = "gateway"
@@ -48,11 +50,24 @@ def model_deployment_options(m: ModelConfig, objective_s: float | None = None) -
         "placement_group_bundles": placement_bundles(m),
         "placement_group_strategy": placement_strategy(m),
     }
+    if m.affinity_routing:
+        opts["request_router_config"] = request_router_config(m)
     if d.autoscaling_config is not None:
         opts["autoscaling_config"] = autoscaling_options(d.autoscaling_config, objective_s)
     else:
         opts["num_replicas"] = d.replicas
     return opts
+
+
+def request_router_config(m: ModelConfig) -> RequestRouterConfig:
+    """The affinity router (engine/router.py) with the model's ``routing`` settings."""
+    # Passed as a dict: RequestRouterConfig.__init__ is typed `**kwargs: dict` in Ray 2.60.
+    kwargs: dict[str, Any] = {
+        "request_router_class": ROUTER_PATH,
+        "request_router_kwargs": {"load_factor": m.routing.load_factor,
+                                  "max_keys": m.routing.max_keys},
+    }
+    return RequestRouterConfig(**kwargs)
 
 
 def build_app(args: dict[str, Any] | AppConfig) -> Application:

@@ -72,6 +72,12 @@ METRICS: dict[str, dict[str, Any]] = {
     "batch_lines_pending": {"kind": "gauge", "labels": ("replica",),
                             "help": "Lines not yet answered in the batches a gateway replica's "
                                     "runner holds now."},
+    "routing_decisions_total": {"kind": "counter", "labels": ("deployment", "decision"),
+                                "help": "Requests placed by the affinity router "
+                                        "(serve_app.engine.router): decision=affinity (at its "
+                                        "key's home), new (first sighting of its key), spill "
+                                        "(home over the load bound; the key re-homes), none "
+                                        "(no key)."},
 }
 
 # The gateway's flow queues (serve_app.gateway.flow): per model, tier and tenant (a key's tenant,
@@ -334,3 +340,17 @@ class FlowMetrics:
 
     def inflight_bound(self, *, model: str, bound: int) -> None:
         self.bound.set(bound, tags={"model": model, "replica": self.replica})
+
+
+@dataclass
+class RouterMetrics:
+    """The affinity router's decisions (``serve_app.engine.router``), one counter per process."""
+
+    decisions: Counter
+
+    @classmethod
+    def create(cls) -> RouterMetrics:
+        return cls(decisions=_made("routing_decisions_total"))
+
+    def routed(self, *, deployment: str, decision: str) -> None:
+        self.decisions.inc(1, tags={"deployment": deployment, "decision": decision})

@@ -211,6 +211,9 @@ class RequestContext:
     tenant: str = ""  # keys of one tenant share vLLM's prefix cache; others cannot probe it
     arrival: float = 0.0  # epoch seconds the front door received the request (gateway/timing.py)
     traceparent: str = ""  # W3C trace context: the gateway's span is the replica's parent
+    # Tenant plus session (or leading prompt) digest: the model's router keeps it on one replica
+    # (gateway/affinity.py, engine/router.py); "" lets Ray Serve's router choose.
+    affinity: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -292,6 +292,25 @@ class SyntheticUpstream(_Strict):
     ttft_ms: float = Field(default=0.0, ge=0, le=60_000, description="Wait before the first token.")
 
 
+class RoutingConfig(_Strict):
+    """How the model's handle picks a replica (serve_app.engine.router)."""
+
+    affinity: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="Keep a tenant's session (or prompt prefix) on one replica, so its turns hit "
+        "vLLM's prefix cache, under a load bound. auto: on for generate models with more than one "
+        "replica (max_replicas when autoscaling); off: Ray Serve's default (power of two choices).",
+    )
+    load_factor: float = Field(
+        default=1.25, ge=1.0, le=10.0,
+        description="A replica takes a key's request only while its in-flight requests stay within "
+        "this factor over the mean; otherwise the key re-homes to its next replica.",
+    )
+    max_keys: PositiveInt = Field(
+        default=65_536, description="Re-homed keys each gateway replica remembers (LRU)."
+    )
+
+
 class ModelConfig(_Strict):
     """One served model: one Ray Serve deployment wrapping one vLLM engine per replica."""
 
@@ -336,6 +355,8 @@ class ModelConfig(_Strict):
         "hop; 0 sends each engine step.",
     )
 
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+
     @field_validator("aliases")
     @classmethod
     def _aliases_valid(cls, v: tuple[str, ...]) -> tuple[str, ...]:
@@ -379,6 +400,19 @@ class ModelConfig(_Strict):
                 "set max_num_seqs"
             )
         return self
+
+    @model_validator(mode="after")
+    def _affinity_generates(self) -> ModelConfig:
+        if self.routing.affinity == "on" and self.task != "generate":
+            raise ValueError(f"routing.affinity ('on') needs a generate model, not {self.task!r}")
+        return self
+
+    @property
+    def affinity_routing(self) -> bool:
+        """Whether the model's handle uses the affinity router (``routing.affinity``)."""
+        if self.routing.affinity != "auto":
+            return self.routing.affinity == "on"
+        return self.task == "generate" and self.deployment.most_replicas > 1
 
     @property
     def deployment_name(self) -> str:

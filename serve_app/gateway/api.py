@@ -117,7 +117,8 @@ def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> F
                 check(body)
             clock.mark("parse_auth")
             trace = TraceContext.from_headers(request.headers)
-            return await d.pipeline.handle(key, endpoint, body, size, clock, trace)
+            return await d.pipeline.handle(key, endpoint, body, size, clock, trace,
+                                           request.headers)
 
         route.__name__ = endpoint.name
         return route

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.responses import Response
@@ -22,6 +23,7 @@ from starlette.responses import Response
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
 from serve_app.gateway.admission import Admission
+from serve_app.gateway.affinity import affinity_key
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.ledger import NO_TOKENS, Ledger, Outcome
 from serve_app.gateway.routing import Router
@@ -63,7 +65,7 @@ class Pipeline:
 
     async def handle(
         self, key: KeyRecord, endpoint: Endpoint, body: dict[str, Any], size: int,
-        clock: StageClock, trace: TraceContext,
+        clock: StageClock, trace: TraceContext, headers: Mapping[str, str] | None = None,
     ) -> Response:
         """``clock`` runs from the request's arrival at the front door (``timing``) and has its
         ``parse_auth`` stage marked; every later stage is marked on the way down and up."""
@@ -102,6 +104,7 @@ class Pipeline:
             tenant=key.tenant_id,
             arrival=clock.arrival,
             traceparent=trace.traceparent(),
+            affinity=affinity_key(key.tenant_id, endpoint, headers or {}, body),
         )
         # x-request-id is set by Ray Serve's proxy (bounded by gateway/proxy_middleware.py).
         try:

@@ -301,6 +301,19 @@ def test_alias_is_forwarded_to_its_model_with_context(env: Env) -> None:
     assert resp.content == OK_BODY
 
 
+def test_session_header_becomes_the_affinity_key(env: Env) -> None:
+    """The model's router reads ctx["affinity"] (engine/router.py): one session, one key, whatever
+    the turn's messages; another session, another key."""
+    sid = {"X-Claude-Code-Session-Id": "s-1"}
+    env.post("/v1/chat/completions", CHAT, key=env.all_key, headers=sid)
+    turn2 = {**CHAT, "messages": [*CHAT["messages"], {"role": "user", "content": "more"}]}
+    env.post("/v1/chat/completions", turn2, key=env.all_key, headers=sid)
+    env.post("/v1/chat/completions", CHAT, key=env.all_key,
+             headers={"X-Claude-Code-Session-Id": "s-2"})
+    one, two, other = (c.ctx["affinity"] for c in env.models.calls)
+    assert one == two != other and len(one) == 32
+
+
 @pytest.mark.parametrize(
     ("path", "body", "method"),
     [
