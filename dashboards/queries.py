@@ -24,6 +24,7 @@ TOKENS = exported("tokens_total")
 STAGE = exported("stage_seconds")
 LOOP_LAG = exported("event_loop_lag_seconds")
 CPU = exported("process_cpu_seconds_total")
+AUDIT = exported("audit_events_total")
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,12 @@ def capacity_board(cfg: AppConfig) -> Board:
                               "1,000 tokens generated: the front end's cost per token."),
             Panel("CPU cores used", "short", (
                 Target(f"sum by (kind, deployment) (rate({CPU}[{RATE}]))", "{{kind}} {{deployment}}"),)),
+        ]),
+        ("Keys: admin actions and failed authentications", [
+            Panel("Audited events per second", "reqps", (
+                Target(f"sum by (action, result) (rate({AUDIT}[{RATE}]))", "{{action}} {{result}}"),),
+                  description="Admin API actions and failed authentications (action auth_failed), "
+                              "each also a line in the audit log."),
         ]),
     ])
 

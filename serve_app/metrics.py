@@ -34,7 +34,7 @@ STAGE_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10]
 PROCESS_LABELS = ("kind", "deployment", "replica")
 # The HTTP status a rejection is answered with, so requests_total counts every admitted-or-refused
 # request by status.
-REJECTION_STATUS = {"rate_limit": 429, "shed": 503, "backpressure": 503}
+REJECTION_STATUS = {"rate_limit": 429, "shed": 503, "backpressure": 503, "budget": 429}
 
 METRICS: dict[str, dict[str, Any]] = {
     "requests_total": {"kind": "counter", "labels": (*KEY_LABELS, "status"),
@@ -62,6 +62,9 @@ METRICS: dict[str, dict[str, Any]] = {
                                        "the last report window (a periodic sleep's late wake-up)."},
     "process_cpu_seconds_total": {"kind": "counter", "labels": PROCESS_LABELS,
                                   "help": "CPU seconds (user + system) used by the process."},
+    "audit_events_total": {"kind": "counter", "labels": ("action", "result"),
+                           "help": "Audited events: admin API actions and failed authentications "
+                                   "(action=auth_failed), by result."},
 }
 
 # vLLM 0.32's engine metrics as RayPrometheusStatLogger exports them: vLLM's "vllm:" becomes
@@ -251,3 +254,17 @@ class ProcessMetrics:
     def cpu_used(self, seconds: float) -> None:
         if seconds > 0:
             self.cpu.inc(seconds, tags=self.tags)
+
+
+@dataclass
+class AuditMetrics:
+    """The audit trail's counter (``serve_app.gateway.audit.Audit`` feeds it)."""
+
+    events: Counter
+
+    @classmethod
+    def create(cls) -> AuditMetrics:
+        return cls(events=_made("audit_events_total"))
+
+    def audited(self, *, action: str, result: str) -> None:
+        self.events.inc(1, tags={"action": action, "result": result})

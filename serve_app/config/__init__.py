@@ -6,6 +6,7 @@ from serve_app.config.models import (
     AdmissionConfig,
     AppConfig,
     AutoscalingConfig,
+    Budget,
     DeploymentOptions,
     EngineArgs,
     GatewayConfig,
@@ -16,6 +17,7 @@ from serve_app.config.models import (
     Objectives,
     SyntheticUpstream,
     TierConfig,
+    expiry_time,
     format_validation_error,
     load_app_config,
 )
@@ -26,6 +28,7 @@ __all__ = [
     "AdmissionConfig",
     "AppConfig",
     "AutoscalingConfig",
+    "Budget",
     "DeploymentOptions",
     "EngineArgs",
     "GatewayConfig",
@@ -36,6 +39,7 @@ __all__ = [
     "Objectives",
     "SyntheticUpstream",
     "TierConfig",
+    "expiry_time",
     "format_validation_error",
     "load_app_config",
 ]

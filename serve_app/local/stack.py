@@ -106,9 +106,16 @@ class LocalStack:
 
     def _start_state_store(self) -> None:
         """Usage totals and limit counters outlive a gateway replica in a local Redis, unless the
-        config names a Redis of its own (redis_server.py)."""
+        config names a Redis of its own (redis_server.py). Without redis-server (or when the config
+        names a ``gateway.state_dir`` of its own), usage and budgets go to SQLite in the state dir,
+        which the audit log uses too: durable with nothing installed."""
         update: dict[str, Any] = {"keys_file": str(self.keys_file)}
-        if self.cfg.gateway.redis_url is None:
+        chosen_dir = self.cfg.gateway.state_dir
+        state_dir = Path(chosen_dir or self.keys_file.parent / "state").resolve()
+        update["state_dir"] = str(state_dir)
+        if self.cfg.gateway.redis_url is None and chosen_dir is not None:
+            say(f"usage, budgets and audit: SQLite in {state_dir} (gateway.state_dir)")
+        elif self.cfg.gateway.redis_url is None:
             try:
                 self.redis = start_local_redis(self.keys_file.parent / "state")
                 update["redis_url"] = self.redis.url
@@ -116,7 +123,8 @@ class LocalStack:
                 say(f"usage and limit state: local redis-server on {self.redis.url} "
                     f"(persisted in {self.redis.state_dir})")
             except LocalStateError as exc:
-                say(f"usage and limit state stay in each gateway's memory: {exc}")
+                say(f"usage and budgets: SQLite in {state_dir}; rate-limit counters stay in each "
+                    f"gateway's memory: {exc}")
         self.cfg = self.cfg.model_copy(update={"gateway": self.cfg.gateway.model_copy(update=update)})
 
     def _start_ray(self) -> None:
