@@ -567,7 +567,7 @@ def expiry_time(value: str) -> float:
 class Budget(_Strict):
     """A token budget: prompt + completion tokens per calendar day or month (UTC)."""
 
-    tokens: PositiveInt = Field(description="Prompt + completion tokens allowed per period.")
+    tokens: PositiveInt = Field(le=10**15, description="Prompt + completion tokens allowed per period.")
     period: Literal["day", "month"] = "month"
 
 

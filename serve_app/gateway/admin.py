@@ -74,6 +74,12 @@ def _fail(exc: KeysFileError) -> errors.ServeAppError:
     return errors.InvalidRequest(str(exc))
 
 
+def _check_tier(request: Request, tier: str | None) -> None:
+    tiers = _deps(request).cfg.tiers
+    if tier is not None and tier not in tiers:
+        raise errors.InvalidRequest(f"tier ({tier!r}) is not one of {sorted(tiers)}", param="tier")
+
+
 def build_admin_router() -> APIRouter:
     router = APIRouter(prefix=PREFIX, tags=["admin"])
 
@@ -99,6 +105,7 @@ def build_admin_router() -> APIRouter:
     async def create_key(body: NewKey, request: Request,
                          actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
         """Create a key; its secret is in this answer only."""
+        _check_tier(request, body.tier)
         fields = body.model_dump(exclude={"id"}, exclude_none=True)
         issued = act(request, actor, "key.create", body.id,
                      lambda: ops(request).create(body.id, **fields))
@@ -124,6 +131,7 @@ def build_admin_router() -> APIRouter:
     async def update_key(key_id: str, body: KeyFields, request: Request,
                          actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
         """Change limits, tier, models, tenant, budget or expiry; the key keeps its secret."""
+        _check_tier(request, body.tier)
         changes = body.model_dump(exclude_unset=True, mode="json")
         if "models" in changes and changes["models"] is None:
             changes["models"] = ["*"]

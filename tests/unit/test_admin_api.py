@@ -40,6 +40,7 @@ class Admin:
 
     def call(self, method: str, path: str, key: str | None = None, **kw: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
+        headers.update(kw.pop("headers", {}))
         return self.client.request(method, path, headers=headers, **kw)
 
     def audit(self) -> str:
@@ -145,3 +146,15 @@ def test_openapi_schema_of_the_admin_routes(admin: Admin) -> None:
     assert {"/admin/v1/keys", "/admin/v1/keys/{key_id}", "/admin/v1/keys/{key_id}/rotate",
             "/admin/v1/usage"} <= set(schema["paths"])
     _code(admin.call("GET", "/admin/v1/openapi.json"), 401, "invalid_api_key")
+
+
+def test_hostile_admin_bodies_are_4xx(admin: Admin) -> None:
+    from tests.integration.fuzz_corpus import ADMIN_BODIES
+
+    for name, body in ADMIN_BODIES.items():
+        for method, path in (("POST", "/admin/v1/keys"), ("PATCH", "/admin/v1/keys/nobody")):
+            resp = admin.call(method, path, admin.admin, content=body,
+                              headers={"Content-Type": "application/json"})
+            assert 400 <= resp.status_code < 500, (name, method, resp.text)
+            assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    assert [k["id"] for k in admin.call("GET", "/admin/v1/keys", admin.admin).json()["data"]] == ["root"]
