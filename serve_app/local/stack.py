@@ -25,8 +25,9 @@ from typing import Any
 
 from serve_app.config import APP_NAME, AppConfig
 from serve_app.gateway.keys import KeysFileError
+from serve_app.gateway.keystore import open_key_store
 from serve_app.local import front_door, prometheus, say
-from serve_app.local.demo_key import ensure_demo_key
+from serve_app.local.demo_key import ensure_demo_key, ensure_demo_key_in
 from serve_app.local.redis_server import LocalRedis, LocalStateError, start_local_redis
 from serve_app.local.tiny_model import ensure_tiny_model
 
@@ -98,8 +99,16 @@ class LocalStack:
     def start(self) -> None:
         """The demo key, the state store, the tiny model, the front door, then Ray. A keys file
         that cannot be read raises KeysFileError before anything starts."""
-        self.secret = ensure_demo_key(self.keys_file, self.keys_file.parent / "demo-key.secret")
+        secret_file = self.keys_file.parent / "demo-key.secret"
+        if self.cfg.gateway.keys_store == "file":
+            self.secret = ensure_demo_key(self.keys_file, secret_file)
         self._start_state_store()
+        if self.cfg.gateway.keys_store != "file":  # in the store the state dir holds
+            store = open_key_store(self.cfg.gateway)
+            try:
+                self.secret = ensure_demo_key_in(store, secret_file)
+            finally:
+                store.close()
         if any(m.source == "builtin:tiny-chat" for m in self.cfg.models):
             ensure_tiny_model(self.cfg.cache_dir)
         self._start_ray()

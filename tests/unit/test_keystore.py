@@ -109,3 +109,33 @@ def test_expiry() -> None:
     assert not k.expired(1_800_000_000) and k.expired(1_900_000_000)
     with pytest.raises(ValueError, match="expires_at"):
         KeyRecord(id="k", digest="sha256:" + "0" * 64, expires_at="tomorrow")
+
+
+def test_demo_key_in_a_database_store_is_stable(tmp_path: Path) -> None:
+    from serve_app.local.demo_key import DEMO_KEY_ID, ensure_demo_key_in
+
+    store = SqliteKeyStore(tmp_path / "keys.sqlite")
+    secret_file = tmp_path / "demo-key.secret"
+    first = ensure_demo_key_in(store, secret_file)
+    assert ensure_demo_key_in(store, secret_file) == first
+    KeyOps(store).revoke(DEMO_KEY_ID)
+    again = ensure_demo_key_in(store, secret_file)
+    assert again != first and store.lookup(again) is not None and store.lookup(first) is None
+
+
+def test_cli_creates_admin_keys_with_expiry_and_budget(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from serve_app.cli import main
+
+    keys_file = str(tmp_path / "keys.yaml")
+    assert main(["keys", "create", "--keys-file", keys_file, "--id", "ops", "--role", "admin",
+                 "--expires-at", "2030-01-01T00:00:00Z", "--budget-tokens", "5000",
+                 "--budget-period", "day"]) == 0
+    secret = capsys.readouterr().out.strip().splitlines()[-1]
+    record = FileKeyStore(Path(keys_file)).lookup(secret)
+    assert record is not None and record.role == "admin" and record.budget is not None
+    assert main(["keys", "list", "--keys-file", keys_file]) == 0
+    out = capsys.readouterr().out
+    assert "role=admin" in out and "expires_at=2030-01-01T00:00:00Z" in out and "budget=5000/day" in out
+    assert main(["keys", "create", "--keys-file", keys_file, "--id", "x", "--expires-at", "soon"]) == 2
+    assert "expires_at" in capsys.readouterr().err
