@@ -14,6 +14,7 @@ rule) and reach ``/admin/v1`` from inside.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
@@ -23,9 +24,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from serve_app import errors
 from serve_app.config import Budget, KeyRecord, Limits
 from serve_app.gateway import access
-from serve_app.gateway.keys import KeyConflict, KeyNotFound, KeysFileError, StoreReadOnly
+from serve_app.gateway.keys import (
+    KeyConflict,
+    KeyInvalid,
+    KeyNotFound,
+    KeysFileError,
+    StoreReadOnly,
+)
 from serve_app.gateway.keystore import KeyOps, describe
 
+logger = logging.getLogger("ray.serve")
 PREFIX = "/admin/v1"
 
 
@@ -71,7 +79,11 @@ def _fail(exc: KeysFileError) -> errors.ServeAppError:
         return errors.Conflict(str(exc))
     if isinstance(exc, StoreReadOnly):
         return errors.PermissionDenied(str(exc), code="read_only_store")
-    return errors.InvalidRequest(str(exc))
+    if isinstance(exc, KeyInvalid):
+        return errors.InvalidRequest(str(exc))
+    # The store itself cannot be read (its message may name a server path): said in the log only.
+    logger.error("key store error: %s", exc)
+    return errors.InternalError("The key store could not be read; see the gateway's log.")
 
 
 def _check_tier(request: Request, tier: str | None) -> None:

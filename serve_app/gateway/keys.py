@@ -32,6 +32,10 @@ class KeyConflict(KeysFileError):
     """A key with that id exists already."""
 
 
+class KeyInvalid(KeysFileError):
+    """A key's fields do not validate (the message names the field and value)."""
+
+
 class StoreReadOnly(KeysFileError):
     """The store is declared read-only (``gateway.keys_read_only``): keys change elsewhere."""
 
@@ -194,7 +198,8 @@ class KeyStore:
     def write(self, record: KeyRecord, *, new: bool) -> None:
         """Add ``record`` (``new``) or replace the key of its id, in one atomic file replace."""
         if self.read_only:
-            raise StoreReadOnly(f"keys are read-only here (gateway.keys_read_only); edit {self.path}")
+            raise StoreReadOnly("keys are read-only here (gateway.keys_read_only): change the keys "
+                                "file where it is kept")
         keys = read_keys_file(self.path).keys
         exists = any(k.id == record.id for k in keys)
         if new and exists:

@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from serve_app.config import GatewayConfig, KeyRecord, format_validation_error
 from serve_app.gateway import keys as keys_file
 from serve_app.gateway.auth import digest, new_secret, same_digest
-from serve_app.gateway.keys import KeyConflict, KeyNotFound, KeysFileError, StoreReadOnly
+from serve_app.gateway.keys import KeyConflict, KeyInvalid, KeyNotFound, StoreReadOnly
 
 logger = logging.getLogger("ray.serve")
 
@@ -243,7 +243,7 @@ class KeyOps:
         try:
             return KeyRecord.model_validate(doc)
         except ValidationError as exc:
-            raise KeysFileError(format_validation_error(exc, "key")) from None
+            raise KeyInvalid(format_validation_error(exc, "key")) from None
 
     def get(self, key_id: str) -> KeyRecord:
         for k in self.store.records():
@@ -280,7 +280,7 @@ class KeyOps:
         """Set the ``UPDATABLE`` fields in ``changes`` (None clears an optional one)."""
         unknown = sorted(set(changes) - set(UPDATABLE))
         if unknown:
-            raise KeysFileError(f"field {unknown[0]!r} cannot be changed; changeable: {', '.join(UPDATABLE)}")
+            raise KeyInvalid(f"field {unknown[0]!r} cannot be changed; changeable: {', '.join(UPDATABLE)}")
         key = self.get(key_id)
         doc = key.model_dump()
         doc.update(changes)
