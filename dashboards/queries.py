@@ -31,6 +31,7 @@ QUEUE_DEPTH = exported("queue_depth")
 QUEUE_WAIT = exported("queue_wait_seconds")
 FLOW_BOUND = exported("flow_inflight_bound")
 ROUTING = exported("routing_decisions_total")
+AUDIT = exported("audit_events_total")
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,12 @@ def capacity_board(cfg: AppConfig) -> Board:
                   description="Batches that reached a final status in the window."),
         ]),
         ("Gateway flow queue", flow_panels()),
+        ("Keys: admin actions and failed authentications", [
+            Panel("Audited events per second", "reqps", (
+                Target(f"sum by (action, result) (rate({AUDIT}[{RATE}]))", "{{action}} {{result}}"),),
+                  description="Admin API actions and failed authentications (action auth_failed), "
+                              "each also a line in the audit log."),
+        ]),
     ])
 
 

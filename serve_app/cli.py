@@ -28,12 +28,26 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 
 def cmd_keys(ns: argparse.Namespace) -> int:
+    from serve_app.gateway.keys import KeysFileError
+    from serve_app.gateway.keystore import open_key_store
     from serve_app.ops import keys
 
     limits = {name: value for name in LIMIT_OPTIONS if (value := getattr(ns, name, None)) is not None}
-    return keys.run(ns.keys_cmd, keys.keys_path(ns.keys_file, ns.config), getattr(ns, "id", ""),
+    extra: dict[str, object] = {}
+    if getattr(ns, "role", None):
+        extra["role"] = ns.role
+    if getattr(ns, "expires_at", None):
+        extra["expires_at"] = ns.expires_at
+    if getattr(ns, "budget_tokens", None):
+        extra["budget"] = {"tokens": ns.budget_tokens, "period": ns.budget_period}
+    try:
+        store = open_key_store(keys.gateway_config(ns.keys_file, ns.config))
+    except KeysFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return keys.run(ns.keys_cmd, store, getattr(ns, "id", ""),
                     tier=getattr(ns, "tier", "standard"), models=getattr(ns, "models", "*"),
-                    tenant=getattr(ns, "tenant", None), limits=limits)
+                    tenant=getattr(ns, "tenant", None), limits=limits, **extra)
 
 
 def cmd_build_tiny_model(ns: argparse.Namespace) -> int:
@@ -123,6 +137,11 @@ def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     for name in LIMIT_OPTIONS:
         kc.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int,
                         help=f"override the tier's per-key {name}")
+    kc.add_argument("--role", choices=("client", "admin"),
+                    help="admin keys use only the admin API (/admin/v1); default client")
+    kc.add_argument("--expires-at", help="ISO 8601 time after which the key gets 401")
+    kc.add_argument("--budget-tokens", type=int, help="tokens the key may use per --budget-period")
+    kc.add_argument("--budget-period", choices=("day", "month"), default="month")
     ksub.add_parser("list", parents=[key_opts], help="list keys (never secrets)")
     kro = ksub.add_parser("rotate", parents=[key_opts],
                           help="replace a key's secret; the old one stops working")

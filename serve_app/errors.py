@@ -126,6 +126,21 @@ class RateLimited(ServeAppError):
     code = "rate_limit_exceeded"
 
 
+class QuotaExceeded(RateLimited):
+    """A key's or tenant's token budget for the day or month is spent (OpenAI's code for it)."""
+
+    type = "insufficient_quota"
+    code = "insufficient_quota"
+
+
+class Conflict(ServeAppError):
+    """The change conflicts with the current state (an admin API create of an existing key id)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
 class InternalError(ServeAppError):
     """A failure of ours with no better status; the message is generic so that nothing internal
     (paths, exception text) reaches the client."""

@@ -34,7 +34,7 @@ STAGE_BUCKETS_S = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10]
 PROCESS_LABELS = ("kind", "deployment", "replica")
 # The HTTP status a rejection is answered with, so requests_total counts every admitted-or-refused
 # request by status.
-REJECTION_STATUS = {"rate_limit": 429, "shed": 503, "backpressure": 503}
+REJECTION_STATUS = {"rate_limit": 429, "shed": 503, "backpressure": 503, "budget": 429}
 REJECTION_STATUS["queue_timeout"] = 503  # waited its tier's max_queue_wait_s in a flow queue
 
 METRICS: dict[str, dict[str, Any]] = {
@@ -78,6 +78,9 @@ METRICS: dict[str, dict[str, Any]] = {
                                         "key's home), new (first sighting of its key), spill "
                                         "(home over the load bound; the key re-homes), none "
                                         "(no key)."},
+    "audit_events_total": {"kind": "counter", "labels": ("action", "result"),
+                           "help": "Audited events: admin API actions and failed authentications "
+                                   "(action=auth_failed), by result."},
 }
 
 # The gateway's flow queues (serve_app.gateway.flow): per model, tier and tenant (a key's tenant,
@@ -354,3 +357,17 @@ class RouterMetrics:
 
     def routed(self, *, deployment: str, decision: str) -> None:
         self.decisions.inc(1, tags={"deployment": deployment, "decision": decision})
+
+
+@dataclass
+class AuditMetrics:
+    """The audit trail's counter (``serve_app.gateway.audit.Audit`` feeds it)."""
+
+    events: Counter
+
+    @classmethod
+    def create(cls) -> AuditMetrics:
+        return cls(events=_made("audit_events_total"))
+
+    def audited(self, *, action: str, result: str) -> None:
+        self.events.inc(1, tags={"action": action, "result": result})

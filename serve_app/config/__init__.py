@@ -7,6 +7,7 @@ from serve_app.config.models import (
     AppConfig,
     AutoscalingConfig,
     BatchConfig,
+    Budget,
     DeploymentOptions,
     EngineArgs,
     FlowConfig,
@@ -20,6 +21,7 @@ from serve_app.config.models import (
     RoutingConfig,
     SyntheticUpstream,
     TierConfig,
+    expiry_time,
     format_validation_error,
     load_app_config,
 )
@@ -31,6 +33,7 @@ __all__ = [
     "AppConfig",
     "AutoscalingConfig",
     "BatchConfig",
+    "Budget",
     "DeploymentOptions",
     "EngineArgs",
     "FlowConfig",
@@ -44,6 +47,7 @@ __all__ = [
     "RoutingConfig",
     "SyntheticUpstream",
     "TierConfig",
+    "expiry_time",
     "format_validation_error",
     "load_app_config",
 ]

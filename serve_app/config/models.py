@@ -8,6 +8,7 @@ typo fails at deploy time with the field's name instead of being silently ignore
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -621,6 +622,36 @@ class GatewayConfig(_Strict):
     batch: BatchConfig = Field(
         default_factory=BatchConfig, description="OpenAI's Batch API (/v1/files, /v1/batches)."
     )
+    keys_store: Literal["file", "sqlite", "redis"] = Field(
+        default="file",
+        description="Where keys live: the YAML keys_file, a SQLite database in state_dir (one "
+        "host), or Redis at redis_url (a cluster). The admin API and `serve-app keys` use it.",
+    )
+    keys_read_only: bool = Field(
+        default=False,
+        description="Refuse key changes over the admin API (403), e.g. a keys file kept in Git.",
+    )
+    state_dir: str | None = Field(
+        default=None,
+        description="Where this host keeps durable state without Redis: keys.sqlite (keys_store "
+        "sqlite), usage.sqlite (usage and budgets) and audit.log. `serve-app run` sets it.",
+    )
+    tenant_budgets: dict[str, Budget] = Field(
+        default_factory=dict,
+        description="Token budgets per tenant (the keys' tenant field), shared by its keys.",
+    )
+    audit_max_bytes: PositiveInt = Field(
+        default=8 * 1024 * 1024,
+        description="The audit log is rotated to audit.log.1 above this size (two files at most).",
+    )
+
+    @model_validator(mode="after")
+    def _keys_store_has_its_place(self) -> GatewayConfig:
+        if self.keys_store == "redis" and not self.redis_url:
+            raise ValueError("keys_store ('redis') needs gateway.redis_url")
+        if self.keys_store == "sqlite" and not self.state_dir:
+            raise ValueError("keys_store ('sqlite') needs gateway.state_dir")
+        return self
 
 
 class AppConfig(_Strict):
@@ -718,6 +749,24 @@ class AppConfig(_Strict):
         raise KeyError(model_id)
 
 
+def expiry_time(value: str) -> float:
+    """An ``expires_at`` as epoch seconds (UTC when it has no offset); ValueError names the value."""
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"expires_at ({value!r}) is not an ISO 8601 time") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=UTC)
+    return t.timestamp()
+
+
+class Budget(_Strict):
+    """A token budget: prompt + completion tokens per calendar day or month (UTC)."""
+
+    tokens: PositiveInt = Field(le=10**15, description="Prompt + completion tokens allowed per period.")
+    period: Literal["day", "month"] = "month"
+
+
 class KeyRecord(_Strict):
     """One API key as stored: never the secret, only its SHA-256 digest."""
 
@@ -737,6 +786,29 @@ class KeyRecord(_Strict):
     limits: Limits | None = Field(
         default=None, description="Overrides the tier's key_limits field by field."
     )
+    role: Literal["client", "admin"] = Field(
+        default="client",
+        description="client keys call the model routes; admin keys only the admin API "
+        "(/admin/v1), and each is refused (403) on the other's routes.",
+    )
+    expires_at: str | None = Field(
+        default=None,
+        description="ISO 8601 time (UTC when it has no offset) after which the key gets 401.",
+    )
+    budget: Budget | None = Field(
+        default=None, description="Tokens this key may use per day or month (429 insufficient_quota)."
+    )
+
+    @field_validator("expires_at")
+    @classmethod
+    def _expiry_is_a_time(cls, v: str | None) -> str | None:
+        if v is not None:
+            expiry_time(v)
+        return v
+
+    def expired(self, now: float) -> bool:
+        """Whether the key's ``expires_at`` (if any) is at or before ``now`` (epoch seconds)."""
+        return self.expires_at is not None and expiry_time(self.expires_at) <= now
 
     @property
     def tenant_id(self) -> str:

@@ -14,9 +14,12 @@ from starlette.types import Lifespan
 
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
-from serve_app.gateway.auth import request_key
+from serve_app.gateway import access
+from serve_app.gateway.admin import mount_admin
+from serve_app.gateway.audit import Audit
 from serve_app.gateway.body import parse_body
-from serve_app.gateway.keys import KeyStore
+from serve_app.gateway.budgets import Budgets
+from serve_app.gateway.keystore import KeyStore
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing import Route, Router
 from serve_app.gateway.timing import ArrivalStamp, StageClock
@@ -49,6 +52,8 @@ class GatewayDeps:
     trust_arrival_stamp: bool = False
     created: int = 0  # the model cards' `created`: when the app was built (the same on every replica)
     batch: BatchService | None = None  # /v1/files and /v1/batches (serve_app.batch)
+    audit: Audit | None = None  # admin actions and failed authentications (``audit``)
+    budgets: Budgets | None = None  # token budgets, reported by /v1/usage (``budgets``)
 
 
 async def get_deps(request: Request) -> GatewayDeps:
@@ -57,17 +62,12 @@ async def get_deps(request: Request) -> GatewayDeps:
 
 
 async def authenticate(request: Request, d: GatewayDeps = Depends(get_deps)) -> KeyRecord:
-    """The key the request authenticates with (Bearer or x-api-key), or 401."""
+    """The key the request authenticates with (Bearer or x-api-key), or 401 (expired keys too);
+    an admin key gets 403 here: it serves the admin API only."""
     # async: FastAPI would run a sync dependency in a thread pool, a hop on every request.
-    token = request_key(request.headers)
-    if token is None:
-        raise errors.AuthenticationFailed(
-            "Missing or malformed API key. Send the header 'Authorization: Bearer <key>' "
-            "or 'x-api-key: <key>'."
-        )
-    key = d.keys.lookup(token)
-    if key is None:
-        raise errors.AuthenticationFailed("Incorrect API key provided.")
+    key = access.identify(request, d.keys, d.audit)
+    if key.role == "admin":
+        raise errors.PermissionDenied("Admin keys are accepted only on the admin API (/admin/v1).")
     return key
 
 
@@ -144,8 +144,12 @@ def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> F
     async def usage(
         key: KeyRecord = Depends(authenticate), d: GatewayDeps = Depends(get_deps)
     ) -> dict[str, Any]:
-        """The calling key's own totals: requests, tokens, rejections by reason, SLO misses."""
-        return await d.usage.report(key)
+        """The calling key's own totals: requests, tokens, rejections by reason, SLO misses,
+        and its budgets' remaining tokens."""
+        report = await d.usage.report(key)
+        if d.budgets is not None:
+            report["budget"] = await d.budgets.status(key)
+        return report
 
     @app.get("/v1/models/{model:path}")
     async def get_model(
@@ -155,6 +159,7 @@ def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> F
 
     for endpoint in ENDPOINTS.values():
         app.add_api_route(endpoint.path, model_route(endpoint), methods=["POST"])
+    mount_admin(app)
 
     if deps.batch is not None:
         from serve_app.batch.routes import batch_router

@@ -18,16 +18,24 @@ from ray.serve._private import constants as serve_constants
 from serve_app.config import AppConfig
 from serve_app.gateway.admission import Admission
 from serve_app.gateway.api import GatewayDeps, build_api
+from serve_app.gateway.audit import Audit
+from serve_app.gateway.budgets import open_budgets
 from serve_app.gateway.drain import Drain
 from serve_app.gateway.forward import Forwarder
-from serve_app.gateway.keys import KeyStore
+from serve_app.gateway.keystore import open_key_store
 from serve_app.gateway.limits import LimitBackend, MemoryBackend, RedisBackend
 from serve_app.gateway.outage import OutageGuard
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.replicas import LiveReplicas, serve_status_fetch
 from serve_app.gateway.routing import Router
-from serve_app.gateway.usage import MemoryUsageStore, RedisUsageStore, Usage, UsageStore
-from serve_app.metrics import FlowMetrics, GatewayMetrics, ProcessMetrics, StageMetrics
+from serve_app.gateway.usage import (
+    MemoryUsageStore,
+    RedisUsageStore,
+    SqliteUsageStore,
+    Usage,
+    UsageStore,
+)
+from serve_app.metrics import AuditMetrics, FlowMetrics, GatewayMetrics, ProcessMetrics, StageMetrics
 from serve_app.runtime import logflush, niceness
 from serve_app.runtime.procwatch import LoopWatch
 
@@ -50,6 +58,10 @@ class Gateway:
         redis_url = cfg.gateway.redis_url
         backend: LimitBackend = RedisBackend(redis_url) if redis_url else MemoryBackend()
         store: UsageStore = RedisUsageStore(redis_url) if redis_url else MemoryUsageStore()
+        state_dir = Path(cfg.gateway.state_dir) if cfg.gateway.state_dir else None
+        if not redis_url and state_dir is not None:  # durable on one host without Redis
+            store = SqliteUsageStore(state_dir / "usage.sqlite")
+        self.budgets = open_budgets(cfg.gateway, time.time)
         router = Router(cfg)
         self.spans: StageSpans | None = None
         if cfg.gateway.otlp_endpoint:  # opentelemetry is imported only when it is configured
@@ -76,12 +88,15 @@ class Gateway:
         forwarder = Forwarder(handles, cfg.gateway, outage, drain)
         self.deps = GatewayDeps(
             cfg=cfg,
-            keys=KeyStore(Path(cfg.gateway.keys_file), cfg.gateway.keys_reload_interval_s),
+            keys=open_key_store(cfg.gateway),
             router=router,
-            pipeline=Pipeline(cfg, router, self.admission, forwarder, usage),
+            pipeline=Pipeline(cfg, router, self.admission, forwarder, usage, self.budgets),
             usage=usage,
             trust_arrival_stamp=serve_constants.RAY_SERVE_ENABLE_HA_PROXY,
             created=int(time.time()) if created is None else created,
+            audit=Audit(state_dir / "audit.log" if state_dir else None, cfg.gateway.audit_max_bytes,
+                        AuditMetrics.create()),
+            budgets=self.budgets,
         )
         # OpenAI's Batch API: its routes' service, and this replica's runner, which feeds the
         # lines through this replica's own pipeline (serve_app/batch/runner.py).
@@ -109,6 +124,8 @@ class Gateway:
             await self.watch.stop()
             await self.backend.close()
             await self.store.close()
+            await self.budgets.backend.close()
+            self.deps.keys.close()
             if self.spans is not None:
                 self.spans.shutdown()
 
@@ -146,7 +163,7 @@ class Gateway:
         return {
             "heavy_modules": heavy,
             "peak_rss_bytes": peak,
-            "keys_file": str(self.deps.keys.path),
+            "keys_file": self.deps.keys.location,
             "model_transport": self.deps.pipeline.forwarder.transport,
             # Each model's replicas running now and the admission bounds they give.
             "models": {

@@ -21,7 +21,23 @@ logger = logging.getLogger(__name__)
 
 
 class KeysFileError(ValueError):
-    """The keys file exists but cannot be parsed or validated."""
+    """The keys file exists but cannot be parsed or validated (the base of every key store error)."""
+
+
+class KeyNotFound(KeysFileError):
+    """No key with that id in the store."""
+
+
+class KeyConflict(KeysFileError):
+    """A key with that id exists already."""
+
+
+class KeyInvalid(KeysFileError):
+    """A key's fields do not validate (the message names the field and value)."""
+
+
+class StoreReadOnly(KeysFileError):
+    """The store is declared read-only (``gateway.keys_read_only``): keys change elsewhere."""
 
 
 def read_keys_file(path: Path) -> KeysFile:
@@ -111,13 +127,15 @@ def revoke_key(path: Path, key_id: str) -> None:
 
 
 class KeyStore:
-    """Looks keys up by digest; re-reads the file when it changes (checked at most every interval).
+    """The YAML file's key store (``keystore.KeyStore``): looks keys up by digest and re-reads the
+    file when it changes (checked at most every interval). Gateways on one host share the file.
 
     ``clock`` is injected so that a test can step past the interval instead of sleeping it out."""
 
     def __init__(self, path: Path, reload_interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, read_only: bool = False) -> None:
         self.path = path
+        self.read_only = read_only
         self.reload_interval_s = reload_interval_s
         self.clock = clock
         self._by_digest: dict[str, KeyRecord] = {}
@@ -175,3 +193,29 @@ class KeyStore:
         lines) is charged to it only while it stays active."""
         self.maybe_reload()
         return next((k for k in self._by_digest.values() if k.id == key_id), None)
+
+    @property
+    def location(self) -> str:
+        return str(self.path)
+
+    def records(self) -> tuple[KeyRecord, ...]:
+        return read_keys_file(self.path).keys
+
+    def write(self, record: KeyRecord, *, new: bool) -> None:
+        """Add ``record`` (``new``) or replace the key of its id, in one atomic file replace."""
+        if self.read_only:
+            raise StoreReadOnly("keys are read-only here (gateway.keys_read_only): change the keys "
+                                "file where it is kept")
+        keys = read_keys_file(self.path).keys
+        exists = any(k.id == record.id for k in keys)
+        if new and exists:
+            raise KeyConflict(f"key id {record.id!r} already exists; revoke it or choose another id")
+        if not new and not exists:
+            raise KeyNotFound(f"no key with id {record.id!r}")
+        updated = (*keys, record) if new else tuple(record if k.id == record.id else k for k in keys)
+        write_keys_file(self.path, KeysFile(keys=updated))
+        with self._lock:
+            self._reload(force=True)
+
+    def close(self) -> None:
+        return None

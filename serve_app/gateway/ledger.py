@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from serve_app import errors
 from serve_app.config import KeyRecord, TierConfig
 from serve_app.gateway.admission import Admission, Ticket
+from serve_app.gateway.budgets import BudgetHold
 from serve_app.gateway.timing import StageClock
 from serve_app.gateway.tracecontext import TraceContext
 from serve_app.gateway.usage import Usage
@@ -70,6 +71,7 @@ class Ledger:
         # Admission may already have placed the request on its fallback (the primary was full).
         self._fallback = fallback if fallback != ticket.model_id else None
         self._books: asyncio.Task[None] | None = None  # the one write of the books (``close``)
+        self.budget: BudgetHold | None = None  # the budgets' reservation, settled with the ticket
 
     @property
     def model_id(self) -> str:
@@ -97,6 +99,11 @@ class Ledger:
 
     async def _write(self, out: Outcome) -> None:
         await self._admission.settle(self.ticket, out.used_tokens)
+        if self.budget is not None:
+            try:
+                await self.budget.settle(out.used_tokens)
+            except Exception:  # a lost settlement leaves the reservation charged; never fail here
+                logger.warning("budget settlement failed", exc_info=True)
         if out.status == 503:
             await self._usage.rejected(self.key, self.model_id, "backpressure")
         else:

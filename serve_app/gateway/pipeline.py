@@ -24,6 +24,7 @@ from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
 from serve_app.gateway.admission import Admission
 from serve_app.gateway.affinity import affinity_key
+from serve_app.gateway.budgets import Budgets
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.ledger import NO_TOKENS, Ledger, Outcome
 from serve_app.gateway.routing import Router
@@ -55,8 +56,10 @@ class Pipeline:
     """Routes a parsed request to a model deployment under its key's tier."""
 
     def __init__(
-        self, cfg: AppConfig, router: Router, admission: Admission, forwarder: Forwarder, usage: Usage
+        self, cfg: AppConfig, router: Router, admission: Admission, forwarder: Forwarder, usage: Usage,
+        budgets: Budgets | None = None,
     ) -> None:
+        self.budgets = budgets
         self.cfg = cfg
         self.router = router
         self.admission = admission
@@ -83,6 +86,16 @@ class Pipeline:
         except (errors.RateLimited, errors.ServiceUnavailable) as exc:
             await self.usage.rejected(key, model_id, _rejection_reason(exc))
             raise
+        budget = None
+        if self.budgets is not None:
+            try:  # the admission's token reservation, on the key's and tenant's budgets
+                budget = await self.budgets.reserve(key, ticket.reserved_tokens)
+            except errors.QuotaExceeded:
+                await self.admission.settle(ticket, 0)
+                await self.usage.rejected(key, model_id, "budget")
+                raise
+            if budget is not None:
+                ticket.headers.update(budget.headers)
         clock.mark("admission")
         try:
             queued = await self.admission.queue(ticket, clock)  # the model's flow queue, if it has one
@@ -95,6 +108,7 @@ class Pipeline:
             logger.warning("model %s has no room; falling back to %s", model_id, ticket.model_id)
         ledger = Ledger(key, self.admission.tier(key), ticket, self.admission, self.usage, fallback,
                         clock, trace)
+        ledger.budget = budget
         ctx = RequestContext(
             request_id=uuid.uuid4().hex,
             key_id=key.id,

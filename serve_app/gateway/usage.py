@@ -1,13 +1,23 @@
 """Usage accounting per key and tier: metrics for Prometheus, totals for ``GET /v1/usage``.
 
-Totals live in-process for one gateway replica, or in Redis hashes when replicas share Redis, so
-that every replica answers ``/v1/usage`` with the same numbers.
+Totals live in-process for one gateway replica, in Redis hashes when replicas share Redis (so
+that every replica answers ``/v1/usage`` with the same numbers), or in SQLite in
+``gateway.state_dir`` when there is no Redis: durable through a SIGKILL of the replica, and shared
+by the replicas of one host. Next to the totals, each key's tokens are kept per model
+(``m:<model>:<field>``) and per UTC day (``d:<YYYY-MM-DD>:<field>``) for the admin API.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import sqlite3
+import threading
+import time
 from collections import defaultdict
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from serve_app.config import KeyRecord, TierConfig
@@ -67,11 +77,65 @@ class RedisUsageStore:
         await self._redis.aclose()
 
 
+class SqliteUsageStore:
+    """Totals in a SQLite file (``<state_dir>/usage.sqlite``): each ``add`` is one transaction,
+    run in a thread so the event loop never waits on the file."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS usage (key_id TEXT, field TEXT, value INTEGER, "
+                         "PRIMARY KEY (key_id, field))")
+        self._lock = threading.Lock()
+
+    def _add(self, key_id: str, fields: dict[str, int]) -> None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany(
+                    "INSERT INTO usage VALUES (?, ?, ?) ON CONFLICT(key_id, field) DO UPDATE "
+                    "SET value = value + excluded.value",
+                    [(key_id, k, v) for k, v in fields.items()])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def _get(self, key_id: str) -> dict[str, int]:
+        with self._lock:
+            rows = self._db.execute("SELECT field, value FROM usage WHERE key_id = ?",
+                                    (key_id,)).fetchall()
+        return {f: int(v) for f, v in rows}
+
+    async def add(self, key_id: str, fields: dict[str, int]) -> None:
+        await asyncio.to_thread(self._add, key_id, fields)
+
+    async def get(self, key_id: str) -> dict[str, int]:
+        return await asyncio.to_thread(self._get, key_id)
+
+    async def close(self) -> None:
+        self._db.close()
+
+
+def detail_fields(model: str, day: str, fields: dict[str, int]) -> dict[str, int]:
+    """The per-model and per-day copies of a request's token fields."""
+    out: dict[str, int] = {}
+    for name in ("requests", "prompt_tokens", "completion_tokens"):
+        if name in fields:
+            out[f"m:{model}:{name}"] = fields[name]
+            out[f"d:{day}:{name}"] = fields[name]
+    return out
+
+
 class Usage:
     """Records each request's outcome against its key and tier."""
 
     def __init__(self, store: UsageStore, metrics: GatewayMetrics | None,
-                 stages: StageSink | None = None, spans: StageSpans | None = None) -> None:
+                 stages: StageSink | None = None, spans: StageSpans | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock  # the UTC day of the per-day totals
         self.store = store
         self.metrics = metrics
         self.stages = stages  # the per-stage histogram (``metrics.StageMetrics``)
@@ -130,7 +194,10 @@ class Usage:
                 prompt_tokens=prompt, completion_tokens=completion,
                 ttft_s=ttft_s, tpot_s=tpot, missed=tuple(misses),
             )
-        await self._add(key.id, fields)
+        await self._add(key.id, {**fields, **detail_fields(model, self.day(), fields)})
+
+    def day(self) -> str:
+        return datetime.fromtimestamp(self.clock(), UTC).strftime("%Y-%m-%d")
 
     async def report(self, key: KeyRecord) -> dict[str, Any]:
         totals = await self.store.get(key.id)

@@ -58,6 +58,7 @@ exec "{binary}" "$@"
 # A client that sends nothing (or an HTTP/2 preface, or half a request) gets 408 after this.
 HTTP_REQUEST_TIMEOUT_S = 10
 ALLOWED_METHODS = ("GET", "HEAD", "POST")
+ADMIN_METHODS = ("PATCH", "DELETE")  # also allowed under the admin API (/admin/v1/: update, revoke)
 # The statuses HAProxy can answer itself (its `errorfile` list), with what each says.
 _ERRORS: dict[int, tuple[str, str, str]] = {
     400: ("Bad Request", "invalid_request", "The request could not be parsed as HTTP/1.1."),
@@ -125,8 +126,11 @@ def write_error_files(errors_dir: Path) -> None:
         *(f"    {line}" for line in ARRIVAL_STAMP),
         f"    {MARK}: methods the gateway does not serve (uvicorn would answer them in plain text)",
         "    acl serve_app_method method " + " ".join(ALLOWED_METHODS),
+        "    acl serve_app_admin_method method " + " ".join(ADMIN_METHODS),
+        "    acl serve_app_admin path_beg /admin/v1/",
         f"    http-request return status 405 content-type application/json file {errors_dir}/405.json "
-        f'hdr Allow "{", ".join(ALLOWED_METHODS)}" unless serve_app_method',
+        f'hdr Allow "{", ".join(ALLOWED_METHODS)}" '
+        "unless serve_app_method || serve_app_admin serve_app_admin_method",
         f"    http-request return status 400 content-type application/json file {errors_dir}/400.json "
         "unless { path_beg / }",
     ]

@@ -25,8 +25,9 @@ from typing import Any
 
 from serve_app.config import APP_NAME, AppConfig
 from serve_app.gateway.keys import KeysFileError
+from serve_app.gateway.keystore import open_key_store
 from serve_app.local import front_door, prometheus, say
-from serve_app.local.demo_key import ensure_demo_key
+from serve_app.local.demo_key import ensure_demo_key, ensure_demo_key_in
 from serve_app.local.redis_server import LocalRedis, LocalStateError, start_local_redis
 from serve_app.local.tiny_model import ensure_tiny_model
 
@@ -98,17 +99,32 @@ class LocalStack:
     def start(self) -> None:
         """The demo key, the state store, the tiny model, the front door, then Ray. A keys file
         that cannot be read raises KeysFileError before anything starts."""
-        self.secret = ensure_demo_key(self.keys_file, self.keys_file.parent / "demo-key.secret")
+        secret_file = self.keys_file.parent / "demo-key.secret"
+        if self.cfg.gateway.keys_store == "file":
+            self.secret = ensure_demo_key(self.keys_file, secret_file)
         self._start_state_store()
+        if self.cfg.gateway.keys_store != "file":  # in the store the state dir holds
+            store = open_key_store(self.cfg.gateway)
+            try:
+                self.secret = ensure_demo_key_in(store, secret_file)
+            finally:
+                store.close()
         if any(m.source == "builtin:tiny-chat" for m in self.cfg.models):
             ensure_tiny_model(self.cfg.cache_dir)
         self._start_ray()
 
     def _start_state_store(self) -> None:
         """Usage totals and limit counters outlive a gateway replica in a local Redis, unless the
-        config names a Redis of its own (redis_server.py)."""
+        config names a Redis of its own (redis_server.py). Without redis-server (or when the config
+        names a ``gateway.state_dir`` of its own), usage and budgets go to SQLite in the state dir,
+        which the audit log uses too: durable with nothing installed."""
         update: dict[str, Any] = {"keys_file": str(self.keys_file)}
-        if self.cfg.gateway.redis_url is None:
+        chosen_dir = self.cfg.gateway.state_dir
+        state_dir = Path(chosen_dir or self.keys_file.parent / "state").resolve()
+        update["state_dir"] = str(state_dir)
+        if self.cfg.gateway.redis_url is None and chosen_dir is not None:
+            say(f"usage, budgets and audit: SQLite in {state_dir} (gateway.state_dir)")
+        elif self.cfg.gateway.redis_url is None:
             try:
                 self.redis = start_local_redis(self.keys_file.parent / "state")
                 update["redis_url"] = self.redis.url
@@ -116,7 +132,8 @@ class LocalStack:
                 say(f"usage and limit state: local redis-server on {self.redis.url} "
                     f"(persisted in {self.redis.state_dir})")
             except LocalStateError as exc:
-                say(f"usage and limit state stay in each gateway's memory: {exc}")
+                say(f"usage and budgets: SQLite in {state_dir}; rate-limit counters stay in each "
+                    f"gateway's memory: {exc}")
         self.cfg = self.cfg.model_copy(update={"gateway": self.cfg.gateway.model_copy(update=update)})
 
     def _start_ray(self) -> None:

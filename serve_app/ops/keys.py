@@ -1,52 +1,73 @@
-"""``serve-app keys``: create, list, rotate and revoke API keys in a keys file (the keys file
-itself, and each operation on it, belong to serve_app/gateway/keys.py)."""
+"""``serve-app keys``: create, list, rotate and revoke API keys in the config's key store (the YAML
+keys file by default; SQLite or Redis per ``gateway.keys_store``), through the same code as the
+admin API (serve_app/gateway/keystore.py)."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+from typing import Any
 
-from serve_app.gateway.keys import KeysFileError, create_key, read_keys_file, revoke_key, rotate_key
+from serve_app.config import GatewayConfig
+from serve_app.gateway.keys import KeysFileError
+from serve_app.gateway.keystore import KeyOps, KeyStore
 from serve_app.ops.configfile import load_config
 
 
-def keys_path(keys_file: str | None, config: str) -> Path:
-    """``keys_file`` if given, else the config's ``gateway.keys_file``."""
-    return Path(keys_file) if keys_file else Path(load_config(config).gateway.keys_file)
+def gateway_config(keys_file: str | None, config: str) -> GatewayConfig:
+    """The config's gateway section, with ``keys_file`` if given: the store to open. A keys file
+    given on the command line means that file, whatever the config's store."""
+    gw = load_config(config).gateway
+    if keys_file:
+        return gw.model_copy(update={"keys_file": keys_file, "keys_store": "file",
+                                     "keys_read_only": False})
+    return gw
 
 
-def run(command: str, path: Path, key_id: str = "", *, tier: str = "standard", models: str = "*",
-        tenant: str | None = None, limits: dict[str, int] | None = None) -> int:
-    """Do ``command`` (create, rotate, list or revoke) on ``path`` and print the outcome; a new
-    secret is printed once, as the last line. A keys file error is a message and exit code 2."""
+def run(command: str, store: KeyStore, key_id: str = "", *, tier: str = "standard",
+        models: str = "*", tenant: str | None = None, limits: dict[str, int] | None = None,
+        **extra: Any) -> int:
+    """Do ``command`` (create, rotate, list or revoke) on ``store`` and print the outcome; a new
+    secret is printed once, as the last line. A store error is a message and exit code 2.
+    ``extra`` holds create's other fields (role, expires_at, budget)."""
+    ops = KeyOps(store)
+    where = store.location
     try:
         if command == "create":
             model_list = [m for m in (models or "*").split(",") if m]
-            secret = create_key(path, key_id, tier, model_list, tenant=tenant, limits=limits or {})
-            print(f"created key {key_id!r} (tier {tier}, models {','.join(model_list)}) in {path}")
+            issued = ops.create(key_id, tier=tier, models=model_list, tenant=tenant,
+                                limits=limits or None, **extra)
+            print(f"created key {key_id!r} (tier {tier}, models {','.join(model_list)}) in {where}")
             print("secret (shown once, store it now):")
-            print(secret)
+            print(issued.secret)
         elif command == "rotate":
-            secret = rotate_key(path, key_id)
-            print(f"rotated key {key_id!r} in {path}; the old secret stops working within seconds")
+            issued = ops.rotate(key_id)
+            print(f"rotated key {key_id!r} in {where}; the old secret stops working within seconds")
             print("new secret (shown once, store it now):")
-            print(secret)
+            print(issued.secret)
         elif command == "list":
-            _list(path)
+            _list(ops, where)
         elif command == "revoke":
-            revoke_key(path, key_id)
-            print(f"revoked key {key_id!r} in {path}")
+            ops.revoke(key_id)
+            print(f"revoked key {key_id!r} in {where}")
     except KeysFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        store.close()
     return 0
 
 
-def _list(path: Path) -> None:
-    keys = read_keys_file(path).keys
+def _list(ops: KeyOps, where: str) -> None:
+    keys = ops.list()
     if not keys:
-        print(f"no keys in {path}")
+        print(f"no keys in {where}")
     for k in keys:
         state = "revoked" if k.revoked else "active"
         extra = f" limits={k.limits.model_dump(exclude_none=True)}" if k.limits else ""
+        if k.role != "client":
+            extra += f" role={k.role}"
+        if k.expires_at:
+            extra += f" expires_at={k.expires_at}"
+        if k.budget:
+            extra += f" budget={k.budget.tokens}/{k.budget.period}"
         print(f"{k.id:24} {k.tier:10} {state:8} {','.join(k.models):24} {k.created_at}{extra}")

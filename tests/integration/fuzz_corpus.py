@@ -352,10 +352,52 @@ def _batch_cases(key: str) -> Iterator[Case]:
         yield Case(f"batch:create_json:{name}", _post("/v1/batches", raw, key))
 
 
+ADMIN_BODIES: dict[str, bytes] = {
+    "empty": b"", "null": b"null", "array": b"[]", "open": b"{", "deep": deep_obj(1000).encode(),
+    "id_missing": b'{"tier":"standard"}', "id_null": b'{"id":null}', "id_number": b'{"id":7}',
+    "id_long": json.dumps({"id": "a" * 65}).encode(), "id_traversal": b'{"id":"../../etc/passwd"}',
+    "id_unicode": json.dumps({"id": "\u00e9t\u00e9"}).encode(), "id_nul": rb'{"id":"a\u0000"}',
+    "id_surrogate": rb'{"id":"\ud800"}', "role_root": b'{"id":"fz1","role":"root"}',
+    "tier_unknown": b'{"id":"fz2","tier":"gold"}', "tier_list": b'{"id":"fz3","tier":["x"]}',
+    "budget_negative": b'{"id":"fz4","budget":{"tokens":-1}}',
+    "budget_huge": b'{"id":"fz5","budget":{"tokens":1e400}}',
+    "budget_period": b'{"id":"fz6","budget":{"tokens":5,"period":"year"}}',
+    "expiry_text": b'{"id":"fz7","expires_at":"tomorrow"}',
+    "limits_text": b'{"id":"fz8","limits":{"rpm":"many"}}',
+    "digest_given": b'{"id":"fz9","digest":"sha256:00"}',
+    "secret_given": json.dumps({"id": "fz10", "secret": FAKE_SECRET}).encode(),
+    "bigint": b'{"id":"fz11","budget":{"tokens":123456789012345678901234567890}}',
+}
+ADMIN_PATHS = ("/admin/v1/keys/nobody", "/admin/v1/keys/..%2f..%2fetc", "/admin/v1/keys/%00",
+               "/admin/v1/keys/" + "k" * 5000, "/admin/v1/keys/a/b/c", "/admin/v1/usage?period=x",
+               "/admin/v1/usage?key_id=" + "k" * 200, "/admin/v1/usage?model=%ff%fe",
+               "/admin/v1/nothing", "/admin/v1/openapi.json")
+
+
+def admin_cases(key: str) -> Iterator[Case]:
+    """The admin API's routes with hostile bodies, ids and queries, as ``key`` (an admin key: the
+    parsers are reached; a client key: 403 first). No create here succeeds."""
+    auth = [("Authorization", f"Bearer {key}")]
+    for name, body in ADMIN_BODIES.items():
+        yield Case(f"admin:create:{name}", _post("/admin/v1/keys", body, key))
+        patch = request("PATCH", "/admin/v1/keys/nobody",
+                        headers=[*auth, ("Content-Type", "application/json")], body=body)
+        yield Case(f"admin:update:{name}", patch)
+    for path in ADMIN_PATHS:
+        for method in ("GET", "PATCH", "DELETE", "POST"):
+            yield Case(f"admin:{method}:{path[:60]}", request(method, path, headers=auth),
+                       expect=frozenset({2, 4}))
+    yield Case("admin:rotate:nobody", request("POST", "/admin/v1/keys/nobody/rotate", headers=auth))
+    yield Case("admin:no_key", request("GET", "/admin/v1/keys"))
+    yield Case("admin:fake_key", request("GET", "/admin/v1/keys",
+                                         headers=[("Authorization", f"Bearer {FAKE_SECRET}")]))
+
+
 def corpus(key: str, *more_keys: str) -> list[Case]:
     """Every case, with ``key`` (and ``more_keys``, for the field mutations) as valid API keys."""
     cases = [*_http_cases(key), *_json_cases(key), *_field_cases((key, *more_keys)),
-             *_batch_cases(key)]
+             *_batch_cases(key),
+             *admin_cases(key)]
     names = [c.name for c in cases]
     dup = {n for n in names if names.count(n) > 1}
     assert not dup, f"duplicate case names: {sorted(dup)[:5]}"

@@ -1,0 +1,48 @@
+"""Who a request is: its key from the store, checked for expiry, with failures audited.
+
+The model routes (``api.authenticate``) and the admin routes (``admin.admin_key``) both start
+here, then each refuses the other's role.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from starlette.requests import Request
+
+from serve_app import errors
+from serve_app.config import KeyRecord
+from serve_app.gateway.audit import Audit
+from serve_app.gateway.auth import request_key
+from serve_app.gateway.keystore import KeyStore
+
+
+def route_of(request: Request) -> str:
+    """The matched route's template (never the raw path, which a client fills as it likes)."""
+    route = request.scope.get("route")
+    return str(getattr(route, "path", "?"))
+
+
+def identify(request: Request, keys: KeyStore, audit: Audit | None,
+             clock: Callable[[], float] = time.time) -> KeyRecord:
+    """The request's active, unexpired key, or 401 (audited as ``auth_failed``)."""
+    token = request_key(request.headers)
+    reason = "missing"
+    key = None
+    if token is not None:
+        key = keys.lookup(token)
+        reason = "unknown" if key is None else "expired"
+    if key is not None and not key.expired(clock()):
+        return key
+    if audit is not None:
+        audit.record("auth_failed", actor=key.id if key is not None else None, target=None,
+                     result=reason, route=route_of(request))
+    if reason == "missing":
+        raise errors.AuthenticationFailed(
+            "Missing or malformed API key. Send the header 'Authorization: Bearer <key>' "
+            "or 'x-api-key: <key>'."
+        )
+    if reason == "expired":
+        raise errors.AuthenticationFailed("This API key has expired.")
+    raise errors.AuthenticationFailed("Incorrect API key provided.")

@@ -1,0 +1,216 @@
+"""The admin API under ``/admin/v1``: keys (create, list, get, update, rotate, revoke) and usage.
+
+Only keys with ``role: admin`` are accepted here (a client key gets 403, an unknown one 401), and
+an admin key is refused on the model routes (``api.authenticate``), so a leaked client key cannot
+mint keys and an admin key cannot run up usage. A created or rotated key's secret is in that one
+answer and stored only as a digest. Every action, allowed or not, is one audit line
+(``audit.py``). Errors are OpenAI-shaped (the app's one handler); the schema of these routes is
+at ``GET /admin/v1/openapi.json``.
+
+The admin routes are served on the gateway's own port; to keep them off the public network, route
+only ``/v1`` and ``/health`` to the gateway from the public side (an ingress or load-balancer path
+rule) and reach ``/admin/v1`` from inside.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict, Field
+
+from serve_app import errors
+from serve_app.config import Budget, KeyRecord, Limits
+from serve_app.gateway import access
+from serve_app.gateway.keys import (
+    KeyConflict,
+    KeyInvalid,
+    KeyNotFound,
+    KeysFileError,
+    StoreReadOnly,
+)
+from serve_app.gateway.keystore import KeyOps, describe
+
+logger = logging.getLogger("ray.serve")
+PREFIX = "/admin/v1"
+
+
+class KeyFields(BaseModel):
+    """The fields of a key that the admin API sets (any subset on an update; null clears)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tier: str | None = None
+    models: list[str] | None = None
+    tenant: str | None = None
+    limits: Limits | None = None
+    budget: Budget | None = None
+    expires_at: str | None = Field(default=None, description="ISO 8601; UTC when no offset")
+
+
+class NewKey(KeyFields):
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    role: Literal["client", "admin"] = "client"
+
+
+def _deps(request: Request) -> Any:
+    return request.app.state.deps
+
+
+async def admin_key(request: Request) -> KeyRecord:
+    """The admin key of the request: 401 without a valid key, 403 with a client key."""
+    d = _deps(request)
+    key = access.identify(request, d.keys, d.audit)
+    if key.role != "admin":
+        if d.audit is not None:
+            d.audit.record("admin_denied", actor=key.id, target=None, result="forbidden",
+                           route=access.route_of(request))
+        raise errors.PermissionDenied("This key may not use the admin API; an admin key is needed.")
+    return key
+
+
+def _fail(exc: KeysFileError) -> errors.ServeAppError:
+    """A store error as the HTTP error an operator can act on."""
+    if isinstance(exc, KeyNotFound):
+        return errors.NotFound(str(exc))
+    if isinstance(exc, KeyConflict):
+        return errors.Conflict(str(exc))
+    if isinstance(exc, StoreReadOnly):
+        return errors.PermissionDenied(str(exc), code="read_only_store")
+    if isinstance(exc, KeyInvalid):
+        return errors.InvalidRequest(str(exc))
+    # The store itself cannot be read (its message may name a server path): said in the log only.
+    logger.error("key store error: %s", exc)
+    return errors.InternalError("The key store could not be read; see the gateway's log.")
+
+
+def _check_tier(request: Request, tier: str | None) -> None:
+    tiers = _deps(request).cfg.tiers
+    if tier is not None and tier not in tiers:
+        raise errors.InvalidRequest(f"tier ({tier!r}) is not one of {sorted(tiers)}", param="tier")
+
+
+def build_admin_router() -> APIRouter:
+    router = APIRouter(prefix=PREFIX, tags=["admin"])
+
+    def act(request: Request, actor: KeyRecord, action: str, target: str | None,
+            fn: Any) -> Any:
+        """Run one admin action and audit it, whatever its result."""
+        audit = _deps(request).audit
+        try:
+            out = fn()
+        except KeysFileError as exc:
+            err = _fail(exc)
+            if audit is not None:
+                audit.record(action, actor=actor.id, target=target, result=err.code or "error")
+            raise err from None
+        if audit is not None:
+            audit.record(action, actor=actor.id, target=target, result="ok")
+        return out
+
+    def ops(request: Request) -> KeyOps:
+        return KeyOps(_deps(request).keys)
+
+    @router.post("/keys", status_code=201)
+    async def create_key(body: NewKey, request: Request,
+                         actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
+        """Create a key; its secret is in this answer only."""
+        _check_tier(request, body.tier)
+        fields = body.model_dump(exclude={"id"}, exclude_none=True)
+        issued = act(request, actor, "key.create", body.id,
+                     lambda: ops(request).create(body.id, **fields))
+        return {**describe(issued.record), "secret": issued.secret}
+
+    @router.get("/keys")
+    async def list_keys(request: Request,
+                        actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
+        keys = act(request, actor, "key.list", None, lambda: ops(request).list())
+        return {"object": "list", "data": [describe(k) for k in keys]}
+
+    @router.get("/keys/{key_id}")
+    async def get_key(key_id: str, request: Request,
+                      actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
+        key = act(request, actor, "key.get", key_id, lambda: ops(request).get(key_id))
+        d = _deps(request)
+        out = describe(key)
+        if d.budgets is not None:
+            out["budget_status"] = await d.budgets.status(key)
+        return out
+
+    @router.patch("/keys/{key_id}")
+    async def update_key(key_id: str, body: KeyFields, request: Request,
+                         actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
+        """Change limits, tier, models, tenant, budget or expiry; the key keeps its secret."""
+        _check_tier(request, body.tier)
+        changes = body.model_dump(exclude_unset=True, mode="json")
+        if "models" in changes and changes["models"] is None:
+            changes["models"] = ["*"]
+        record = act(request, actor, "key.update", key_id,
+                     lambda: ops(request).update(key_id, changes))
+        return describe(record)
+
+    @router.post("/keys/{key_id}/rotate")
+    async def rotate_key(key_id: str, request: Request,
+                         actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
+        """A new secret (in this answer only); the old one stops within seconds."""
+        issued = act(request, actor, "key.rotate", key_id, lambda: ops(request).rotate(key_id))
+        return {**describe(issued.record), "secret": issued.secret}
+
+    @router.delete("/keys/{key_id}")
+    async def revoke_key(key_id: str, request: Request,
+                         actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
+        """Revoke a key: every replica answers it 401 within seconds. The record stays listed."""
+        record = act(request, actor, "key.revoke", key_id, lambda: ops(request).revoke(key_id))
+        return describe(record)
+
+    @router.get("/usage")
+    async def usage(
+        request: Request,
+        key_id: str | None = Query(None, max_length=64),
+        tenant: str | None = Query(None, max_length=128),
+        model: str | None = Query(None, max_length=128),
+        period: str | None = Query(None, pattern=r"^\d{4}-\d{2}(-\d{2})?$",
+                                   description="A UTC day (YYYY-MM-DD) or month (YYYY-MM)"),
+        actor: KeyRecord = Depends(admin_key),
+    ) -> dict[str, Any]:
+        """Requests and tokens by key, for the keys matching ``key_id`` and ``tenant``, counted
+        for one ``model`` and/or one ``period`` when given."""
+        d = _deps(request)
+        keys = act(request, actor, "usage.read", key_id, lambda: ops(request).list())
+        by_key = {}
+        for k in keys:
+            if (key_id and k.id != key_id) or (tenant and k.tenant_id != tenant):
+                continue
+            by_key[k.id] = _pick(await d.usage.store.get(k.id), model, period)
+        if key_id and not by_key:
+            raise errors.NotFound(f"no key with id {key_id!r}")
+        total = {f: sum(v[f] for v in by_key.values()) for f in _FIELDS}
+        return {"object": "usage", "key_id": key_id, "tenant": tenant, "model": model,
+                "period": period, **total, "by_key": by_key}
+
+    @router.get("/openapi.json", include_in_schema=False)
+    async def schema(request: Request, actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
+        return get_openapi(title="serve-app admin API", version="1", routes=router.routes)
+
+    return router
+
+
+_FIELDS = ("requests", "prompt_tokens", "completion_tokens")
+
+
+def _pick(totals: dict[str, int], model: str | None, period: str | None) -> dict[str, int]:
+    """The three counts of one key: all time, or for one model (``m:``) or period (``d:``).
+    Model and period together cannot be split from per-key totals; the model wins then."""
+    if model:
+        return {f: totals.get(f"m:{model}:{f}", 0) for f in _FIELDS}
+    if period:
+        return {f: sum(v for k, v in totals.items()
+                       if k.startswith(f"d:{period}") and k.endswith(f":{f}")) for f in _FIELDS}
+    return {f: totals.get(f, 0) for f in _FIELDS}
+
+
+def mount_admin(app: FastAPI) -> None:
+    """Add the admin routes to the gateway's app (``api.build_api``)."""
+    app.include_router(build_admin_router())
