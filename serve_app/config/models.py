@@ -597,6 +597,13 @@ class GatewayConfig(_Strict):
         description="Shared limit counters for several gateway replicas, e.g. "
         "redis://127.0.0.1:6379/0.",
     )
+    limits_store: Literal["auto", "memory", "redis"] = Field(
+        default="auto",
+        description="Where the RPM/TPM/concurrency counters live. auto: in the gateway's memory "
+        "when it runs one replica (exact, and no round trip before each request: on a busy 2-core "
+        "host a Redis call cost p50 7-12 ms, p95 150-260 ms), in Redis (redis_url) when it runs "
+        "several; memory: each replica counts alone; redis: always shared (needs redis_url).",
+    )
     max_surge_percent: int = Field(
         default=0, ge=0, le=100,
         description="Ray Serve's surge during a rolling update of the gateway (see the model "
@@ -647,6 +654,8 @@ class GatewayConfig(_Strict):
 
     @model_validator(mode="after")
     def _keys_store_has_its_place(self) -> GatewayConfig:
+        if self.limits_store == "redis" and not self.redis_url:
+            raise ValueError("limits_store ('redis') needs gateway.redis_url")
         if self.keys_store == "redis" and not self.redis_url:
             raise ValueError("keys_store ('redis') needs gateway.redis_url")
         if self.keys_store == "sqlite" and not self.state_dir:

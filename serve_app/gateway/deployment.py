@@ -23,7 +23,7 @@ from serve_app.gateway.budgets import open_budgets
 from serve_app.gateway.drain import Drain
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.keystore import open_key_store
-from serve_app.gateway.limits import LimitBackend, MemoryBackend, RedisBackend
+from serve_app.gateway.limits import open_backend as open_limits
 from serve_app.gateway.outage import OutageGuard
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.replicas import LiveReplicas, serve_status_fetch
@@ -56,7 +56,7 @@ class Gateway:
         logflush.install()  # warnings and errors reach the replica log at once
         cfg = AppConfig.model_validate(app_config)
         redis_url = cfg.gateway.redis_url
-        backend: LimitBackend = RedisBackend(redis_url) if redis_url else MemoryBackend()
+        backend = open_limits(cfg.gateway)
         store: UsageStore = RedisUsageStore(redis_url) if redis_url else MemoryUsageStore()
         state_dir = Path(cfg.gateway.state_dir) if cfg.gateway.state_dir else None
         if not redis_url and state_dir is not None:  # durable on one host without Redis

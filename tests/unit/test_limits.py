@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from pydantic import ValidationError
 
-from serve_app.gateway.limits import Charge, MemoryBackend, RedisBackend
+from serve_app.config import GatewayConfig
+from serve_app.gateway.limits import Charge, MemoryBackend, RedisBackend, open_backend
 
 
 class _Lazy:
@@ -123,3 +125,21 @@ def test_concurrent_admissions_never_overshoot(backend) -> None:
         return sum(v.allowed for v in results)
 
     assert run(go()) == 10
+
+
+@pytest.mark.parametrize(("store", "replicas", "redis_url", "kind"), [
+    ("auto", 1, "redis://127.0.0.1:1/0", MemoryBackend),  # one replica: exact in memory, no round trip
+    ("auto", 2, "redis://127.0.0.1:1/0", RedisBackend),   # several: shared
+    ("auto", 2, None, MemoryBackend),                    # several without Redis: per replica (warned)
+    ("memory", 3, "redis://127.0.0.1:1/0", MemoryBackend),
+    ("redis", 1, "redis://127.0.0.1:1/0", RedisBackend),
+])
+def test_open_backend_follows_limits_store(store: str, replicas: int, redis_url: str | None,
+                                           kind: type) -> None:
+    gw = GatewayConfig(limits_store=store, num_replicas=replicas, redis_url=redis_url)
+    assert isinstance(open_backend(gw), kind)
+
+
+def test_redis_limits_store_needs_a_redis_url() -> None:
+    with pytest.raises(ValidationError, match="limits_store"):
+        GatewayConfig(limits_store="redis")
