@@ -114,7 +114,8 @@ class LocalStack:
         self._start_ray()
 
     def _start_state_store(self) -> None:
-        """Usage totals and limit counters outlive a gateway replica in a local Redis, unless the
+        """Usage totals (and, with several gateway replicas, limit counters: ``limits.open_backend``)
+        outlive a gateway replica in a local Redis, unless the
         config names a Redis of its own (redis_server.py). Without redis-server (or when the config
         names a ``gateway.state_dir`` of its own), usage and budgets go to SQLite in the state dir,
         which the audit log uses too: durable with nothing installed."""
@@ -129,8 +130,11 @@ class LocalStack:
                 self.redis = start_local_redis(self.keys_file.parent / "state")
                 update["redis_url"] = self.redis.url
                 atexit.register(self.redis.stop)  # also when start-up fails before stop()
-                say(f"usage and limit state: local redis-server on {self.redis.url} "
-                    f"(persisted in {self.redis.state_dir})")
+                gw = self.cfg.gateway
+                shared = gw.limits_store == "redis" or (gw.limits_store == "auto" and gw.num_replicas > 1)
+                say(f"usage totals: local redis-server on {self.redis.url} (persisted in "
+                    f"{self.redis.state_dir}); rate-limit counters "
+                    f"{'shared there' if shared else 'in the gateway replica memory'}")
             except LocalStateError as exc:
                 say(f"usage and budgets: SQLite in {state_dir}; rate-limit counters stay in each "
                     f"gateway's memory: {exc}")
