@@ -295,6 +295,10 @@ def usage_tokens(usage: Any) -> Tokens | None:
     if not isinstance(usage, dict):
         return None
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    if prompt is not None and "prompt_tokens" not in usage:
+        # Anthropic's input_tokens leave out the prompt's cached and cache-written parts.
+        prompt = int(prompt) + sum(int(usage.get(k) or 0) for k in
+                                   ("cache_read_input_tokens", "cache_creation_input_tokens"))
     completion = usage.get("completion_tokens", usage.get("output_tokens"))
     return tokens_of(int(prompt or 0), int(completion or 0))
 

@@ -1,5 +1,9 @@
 """SSE coalescing: one vLLM stream relayed as a ``Head``, ``Chunk`` tuples and a ``Trailer``.
 
+The trailer (the engine's final counts) goes out as soon as they are known, which is before the
+bytes carrying the answer's last events: agents close the connection on those, and the gateway must
+not have to wait for anything after them (or a whole answer in one burst has them in its head).
+
 The pacing happens upstream (``pacing.PacedEngineClient``): each engine output becomes a burst of
 SSE strings in vLLM's serving layer (role and first token; last token, usage and ``[DONE]``), and a
 burst travels as one message, with the completion tokens the engine has made so far (the request's
@@ -91,17 +95,32 @@ class Coalescer:
         ``generate`` calls vLLM makes as its stream is read see the request's meter)."""
         task = asyncio.create_task(self._pump(chunks), context=context)
         first = True
+        counted = False  # the final counts have gone out (in the head or a trailer)
         try:
             while True:
                 data, done = self._burst(await self._queue.get())
+                final = usage_tokens(self._usage)
                 if first:
-                    yield head(200, data, stream=True, tokens=tokens_of(
+                    # A whole answer in one burst: the head carries the final counts.
+                    yield head(200, data, stream=True, tokens=final or tokens_of(
                         self._meter.prompt_tokens, self._meter.completion_tokens))
-                    first = False
-                elif data:
+                    first, counted = False, final is not None
+                    if done and not counted:
+                        yield self._trailer()
+                    if done:
+                        return
+                    continue
+                if final is not None and not counted:
+                    # The trailer goes BEFORE the bytes with the answer's last events (usage chunk
+                    # and [DONE], response.completed, message_delta and message_stop): a client
+                    # closes on those, and the gateway then has the counts already.
+                    yield {"tokens": final}
+                    counted = True
+                if data:
                     yield data, self._meter.completion_tokens
                 if done:
-                    yield self._trailer()
+                    if not counted:
+                        yield self._trailer()
                     return
         finally:
             if not task.done():
@@ -138,6 +157,9 @@ class Coalescer:
             elif item.startswith("event: response.completed"):
                 # The Responses API's last event carries the engine's counts (input/output names).
                 self._usage = _completed_usage(item) or self._usage
+            elif item.startswith("event: message_delta") and '"usage":{' in item:
+                # The Messages API's last delta carries them (input/output/cache names).
+                self._usage = _usage_of(item.split("data: ", 1)[-1]) or self._usage
             if item:
                 parts.append(item.encode())
             if self._queue.empty():

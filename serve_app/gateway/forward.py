@@ -179,8 +179,9 @@ class Relay:
         # the trailer the final ones. A stream cut short is charged what the last chunk said.
         so_far = first["tokens"] or tokens_of(0, 0)
         self._prompt, self._completion = so_far["prompt_tokens"], so_far["completion_tokens"]
+        # The trailer comes before the bytes of the answer's last events (coalesce.py), so a client
+        # that closes on those has left the counts read already.
         self._final: Tokens | None = None
-        self._last = b""  # the last bytes relayed: whether the client had the whole answer
         # In flight from the head on: a graceful stop ends it cleanly (drain.py).
         self._stream: Stream = fwd.drain.track(gen.cancel)
 
@@ -203,7 +204,6 @@ class Relay:
                     self._final = item["tokens"]
                     continue
                 data, self._completion = item
-                self._last = data
                 yield data
         except (asyncio.CancelledError, RequestCancelledError):
             if not self._stream.stopped:
@@ -227,37 +227,11 @@ class Relay:
     async def end(self) -> None:
         """Stop the model's work if it is still going, and close the request's books."""
         self._fwd.drain.done(self._stream)
-        if not self.finished and self._final is None and _ends_answer(self._last):
-            await self._trailer()
         if not self.finished:
             self._gen.cancel()
         tokens = self._final or tokens_of(self._prompt, self._completion)
         await self._ledger.close(Outcome(200, tokens, ttft_s=self._ttft,
                                          duration_s=self._ledger.clock.elapsed_s()))
-
-
-    async def _trailer(self) -> None:
-        """The client left right after the answer's last event (agents close on
-        ``response.completed``), before the trailer with the engine's exact counts (the prompt's
-        too) was read: the engine is done, so it is on its way. Wait a moment for it."""
-        try:
-            while True:
-                item = await asyncio.wait_for(self._gen.__anext__(), TRAILER_WAIT_S)
-                if isinstance(item, dict):
-                    self._final, self.finished = item["tokens"], True
-                    return
-        except Exception:  # gone or slow (TimeoutError, StopAsyncIteration): charge what is known
-            return
-
-
-# The last event of a complete answer in each stream dialect: chat and completions, the Responses
-# API, the Messages API.
-_LAST_EVENTS = (b"data: [DONE]", b"response.completed", b"message_stop")
-TRAILER_WAIT_S = 1.0
-
-
-def _ends_answer(data: bytes) -> bool:
-    return any(marker in data[-4096:] for marker in _LAST_EVENTS)
 
 
 class LedgerStream(StreamingResponse):

@@ -339,10 +339,35 @@ def test_coalesce_reports_usage_and_relays_it_only_when_asked(wants_usage: bool)
         return [i async for i in _coalesce(_chunks(parts), wants_usage)]
 
     items = asyncio.run(run())
-    assert items[-1] == {"tokens": {"prompt_tokens": 3, "completion_tokens": 2}}
-    relayed = items[0]["body"] + b"".join(i[0] for i in items[1:-1])
+    # One burst: the head has the whole answer, and with it the engine's final counts.
+    assert len(items) == 1
+    assert items[0]["tokens"] == {"prompt_tokens": 3, "completion_tokens": 2}
+    relayed = items[0]["body"]
     assert (USAGE_EVENT.encode() in relayed) is wants_usage
     assert relayed.startswith(parts[0].encode()) and relayed.endswith(SSE_DONE)
+
+
+@pytest.mark.parametrize("last", [
+    [USAGE_EVENT, "data: [DONE]\n\n"],
+    ['event: response.completed\ndata: {"type":"response.completed","response":{"usage":'
+     '{"input_tokens":3,"output_tokens":2,"total_tokens":5}}}\n\n'],
+    ['event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+     '"usage":{"input_tokens":1,"cache_read_input_tokens":2,"output_tokens":2}}\n\n',
+     'event: message_stop\ndata: {"type":"message_stop"}\n\n'],
+])
+def test_coalesce_sends_the_final_counts_before_the_answers_last_events(last: list[str]) -> None:
+    """An agent closes the connection on the answer's last event ([DONE], response.completed,
+    message_stop): the trailer with the engine's counts (the prompt's too, which the meter may not
+    have) is already in front of those bytes, so the gateway never waits for it."""
+    parts = ["data: first\n\n", *last]
+
+    async def run() -> list[Any]:
+        return [i async for i in _coalesce(_chunks(parts, [0, 0.01] + [0] * (len(last) - 1)))]
+
+    items = asyncio.run(run())
+    assert items[0]["body"] == b"data: first\n\n"
+    assert items[1] == {"tokens": {"prompt_tokens": 3, "completion_tokens": 2}}
+    assert b"".join(i[0] for i in items[2:]) == "".join(last).encode()
 
 
 def test_coalesce_chunks_carry_the_engines_count_and_the_trailer_has_it_without_usage() -> None:
