@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+import uuid
 from collections import Counter
 from typing import Any
 
@@ -42,8 +43,9 @@ def _jsonl(items: list[Any]) -> bytes:
 @pytest.fixture(scope="module")
 def sdk(stack: Any) -> openai.OpenAI:
     """A premium key of its own (its lines run at the batch tier), so no other test's limits
-    are touched."""
-    secret = create_key(stack.keys_file, "batch-user", "premium", ["*"])
+    are touched. A fresh id each time: the SIGKILL test runs at the session's end (it stops the
+    stack), in a second instance of this module fixture."""
+    secret = create_key(stack.keys_file, f"batch-user-{uuid.uuid4().hex[:8]}", "premium", ["*"])
     stack.wait_keys(accepted=[secret])
     return openai.OpenAI(base_url=stack.base_url, api_key=secret, max_retries=2)
 
