@@ -189,7 +189,8 @@ def affinity_panels() -> list[Panel]:
                           "with affinity routing on, each replica should hit about as often as one "
                           "replica alone."),
         Panel("Routing decisions/s", "reqps", (
-            Target(f"sum by (deployment, decision) (rate({ROUTING}[{RATE}]))",
+            Target(_zero_if_none(f"sum by (deployment, decision) (rate({ROUTING}[{RATE}]))",
+                                 f"sum(rate({REQUESTS}[{RATE}]))"),
                    "{{deployment}} {{decision}}"),), stacked=True,
               description="affinity: at the key's home; new: first sighting of a key; spill: the "
                           "home was over the load bound and the key re-homed; none: no key."),
@@ -240,7 +241,8 @@ def capacity_board(cfg: AppConfig) -> Board:
                               "(output file), failed (error file), retried (refused with 429/503 "
                               "and backed off: interactive tiers had the capacity)."),
             Panel("Batch lines pending", "short", (
-                Target(f"sum({BATCH_PENDING})", "pending"),),
+                Target(_zero_if_none(f"sum({BATCH_PENDING})", f"sum(rate({REQUESTS}[{RATE}]))"),
+                       "pending"),),
                   description="Lines not yet answered in the batches the runners hold now."),
             Panel("Batches finished", "short", (
                 Target(f"sum by (status) (increase({BATCHES}[{RATE}]))", "{{status}}"),),
