@@ -141,17 +141,18 @@ async def _light_clients(base_url: str, keys: dict[str, str],
     time to the first content token, measured by this process (loadtests.bench.sla)."""
     logs = {t: ClientLog() for t in keys}
     refused = dict.fromkeys(keys, 0)
-    tier_of = {id(log): t for t, log in logs.items()}
     prompts = load_prompts()
     rng = random.Random(22)
     stop = asyncio.Event()
 
-    def failed(log: ClientLog) -> Any:
+    def failed(tier: str) -> Any:
+        log = logs[tier]
+
         def note(exc: BaseException) -> None:
             if any(m in str(exc) for m in ("HTTP 503", "HTTP 429", "without any content")):
                 # Shed or limited, or an answer with no content token (tiny-chat may stop at once):
                 # nothing to time.
-                refused[tier_of[id(log)]] += 1
+                refused[tier] += 1
                 return
             log.errors += 1
             log.last_error = f"{exc.__class__.__name__}: {exc}"[:300]
@@ -161,7 +162,7 @@ async def _light_clients(base_url: str, keys: dict[str, str],
         url = f"{base_url}/chat/completions"
         workers = [asyncio.create_task(every(CLIENT_EVERY_S, stop, (
             lambda t=t: chat_once(client, url, keys[t], rng.choice(prompts), 32, logs[t])),
-            CLIENT_TIMEOUT_S, failed(logs[t]))) for t in keys]
+            CLIENT_TIMEOUT_S, failed(t))) for t in keys]
         while proc.poll() is None:
             await asyncio.sleep(0.5)
         stop.set()
