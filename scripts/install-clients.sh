@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# The agent CLIs that the real-client tests drive (tests/integration/test_agents_real.py), pinned,
-# installed into .clients/ (gitignored), with .clients/bin/{codex,claude,cline} linking to what runs.
-# Idempotent: nothing is fetched when the pinned versions are already there. --ignore-scripts: the
+# The agent CLIs that the real-client tests drive (tests/integration/test_agents_real.py), pinned
+# with their whole dependency tree by scripts/clients/package-lock.json (the registry gains new
+# releases of their dependencies whose files it does not serve yet: an unpinned install of cline
+# once asked for @ai-sdk/provider@4.0.39 and failed), installed into .clients/ (gitignored), with
+# .clients/bin/{codex,claude,cline} linking to what runs.
+# Idempotent: nothing is fetched when the locked tree is already there. --ignore-scripts: the
 # native binaries come as npm optional dependencies. Claude Code's postinstall would only copy its
 # native binary over a placeholder stub, so bin/claude links to the native binary itself.
 # Without npm this prints a warning and exits 0; the real-client tests then skip.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 DEST="${CLIENTS_DIR:-$ROOT/.clients}"
-PKGS=(@openai/codex@0.169.0 @anthropic-ai/claude-code@2.1.328 cline@3.0.65)
+LOCK="$ROOT/scripts/clients"
 STAMP="$DEST/.installed"
-WANT="${PKGS[*]}"
+WANT="$(cat "$LOCK/package.json" "$LOCK/package-lock.json" | sha256sum | cut -d' ' -f1)"
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] \
    && [ -x "$DEST/bin/codex" ] && [ -x "$DEST/bin/claude" ] && [ -x "$DEST/bin/cline" ]; then
-  echo "[clients] present: $WANT"
+  echo "[clients] present (lock $WANT)"
   exit 0
 fi
 if ! command -v npm >/dev/null 2>&1; then
@@ -22,9 +25,11 @@ if ! command -v npm >/dev/null 2>&1; then
   exit 0
 fi
 mkdir -p "$DEST"
-[ -f "$DEST/package.json" ] || echo '{"name": "serve-app-clients", "private": true}' > "$DEST/package.json"
-echo "[clients] installing $WANT into $DEST ..."
-(cd "$DEST" && npm install --no-save --ignore-scripts --no-audit --no-fund --loglevel=error "${PKGS[@]}")
+cp "$LOCK/package.json" "$LOCK/package-lock.json" "$DEST/"
+echo "[clients] installing the locked tree of $LOCK/package.json into $DEST ..."
+# npm install (not npm ci): the lock leaves out the other platforms' optional native packages,
+# which npm ci would demand; with the lock present npm install takes every locked version as is.
+(cd "$DEST" && npm install --ignore-scripts --no-audit --no-fund --loglevel=error)
 mkdir -p "$DEST/bin"
 ln -sfn ../node_modules/.bin/codex "$DEST/bin/codex"
 ln -sfn ../node_modules/.bin/cline "$DEST/bin/cline"
@@ -39,4 +44,4 @@ for bin in codex claude cline; do
     || { echo "[clients] $bin does not start after install" >&2; exit 1; }
 done
 echo "$WANT" > "$STAMP"
-echo "[clients] ok: $WANT"
+echo "[clients] ok: $(cd "$DEST" && node -e 'const d=require("./package.json").dependencies; console.log(Object.entries(d).map(([k,v])=>k+"@"+v).join(" "))')"
