@@ -18,6 +18,12 @@ token.
   tier cut the bound far down, and premium then queued behind its own traffic); any tier's fast
   answer grows it, so it recovers while the top tier is quiet. The gateway's own wait
   is not part of the signal, or a cut would feed on itself.
+- **The top band is held only by the ceiling.** The adaptive bound keeps the lower bands out of
+  the engine; the top tier's requests go in while the model's requests in flight are under the
+  ceiling (``Flow.top_limit``), since inside the engine its priority scheduler runs them first.
+  Holding the top tier behind a bound cut for its own sake only turns engine time into gateway
+  wait and 503s (the first benchmark at 4x the base load: 242 premium 503s, a third of the
+  throughput, with the bound at its floor).
 - **Several gateway replicas.** Each replica queues its own requests and gets
   ``max(1, bound // gateway.num_replicas)`` of the bound, so together they never pass it (when
   the bound is at least the replica count); the cost is that one replica's waiters do not use
@@ -169,6 +175,18 @@ class ModelQueue:
                 return band.pop()
         return None
 
+    def pop_band(self, top: int) -> Waiter | None:
+        """The next waiter of the bands at priority ``top`` or better, or None."""
+        for prio in sorted(self.bands):
+            band = self.bands[prio]
+            if prio <= top and band.ring:
+                return band.pop()
+        return None
+
+    def waiting_in(self, top: int) -> int:
+        """Waiters of the bands at priority ``top`` or better."""
+        return sum(len(b) for prio, b in self.bands.items() if prio <= top)
+
     def remove(self, w: Waiter) -> None:
         band = self.bands.get(w.band)
         if band is not None:
@@ -213,6 +231,13 @@ class Flow:
         total = max(1, math.floor(self._per_replica[model_id] * running))
         return max(1, total // self.cfg.gateway.num_replicas)
 
+    def top_limit(self, model_id: str) -> int:
+        """Requests this gateway replica may have in flight on the model when the next one is of
+        the top tier: the ceiling, never the adaptive bound."""
+        running = max(1, self.capacity.running(model_id))
+        total = self.capacity.engine_slots(model_id) * running
+        return max(1, total // self.cfg.gateway.num_replicas)
+
     def observe(self, model_id: str, band: int, engine_ttft_s: float) -> None:
         """One finished request's engine-side time to first token (``band``: its tier's
         priority): a slow one of the top tier cuts the bound, a fast one of any tier grows it
@@ -236,19 +261,23 @@ class Flow:
 
     # -- taking and giving back slots --------------------------------------------------------
 
-    def _free(self, model_id: str) -> bool:
-        """A request may go to the model at once: no queue, or room under its bound and nobody
-        waiting ahead of it."""
+    def _free(self, model_id: str, band: int) -> bool:
+        """A request of ``band`` may go to the model at once: no queue, or room under its bound
+        and nobody waiting ahead of it (for the top band: under the ceiling and no top-tier
+        request waiting)."""
         q = self._queues.get(model_id)
         if q is None:
             return True
-        return not len(q) and self.capacity.inflight[model_id] < self.limit(model_id)
+        inflight = self.capacity.inflight[model_id]
+        if band <= self.cfg.top_priority:
+            return not q.waiting_in(band) and inflight < self.top_limit(model_id)
+        return not len(q) and inflight < self.limit(model_id)
 
     def _refusal(self, model_id: str, tier_name: str, tier: TierConfig) -> errors.ServiceUnavailable | None:
         q = self._queues.get(model_id)
         waiting = len(q) if q is not None else 0
         refusal = self.capacity.refusal(model_id, tier_name, tier, waiting)
-        if refusal is None and q is not None and not self._free(model_id):
+        if refusal is None and q is not None and not self._free(model_id, tier.priority):
             if waiting >= self._models[model_id].flow.max_waiting:
                 return errors.ServiceUnavailable(
                     f"model {model_id!r} has {waiting} requests waiting at the gateway. "
@@ -264,7 +293,7 @@ class Flow:
         refusals = []
         for model_id in order:
             refusal = self._refusal(model_id, tier_name, tier)
-            if refusal is None and self._free(model_id):
+            if refusal is None and self._free(model_id, tier.priority):
                 return self._grant_now(model_id, tier_name, tier, tenant, cost)
             if refusal is not None:
                 refusals.append(refusal)
@@ -278,7 +307,7 @@ class Flow:
         refusal = self._refusal(model_id, tier_name, tier)
         if refusal is not None:
             raise refusal
-        if not self._free(model_id):
+        if not self._free(model_id, tier.priority):
             raise errors.ServiceUnavailable(
                 f"model {model_id!r} has requests waiting at the gateway. Retry shortly.",
                 retry_after_s=self.cfg.gateway.retry_after_s)
@@ -314,8 +343,14 @@ class Flow:
         q = self._queues.get(model_id)
         if q is None:
             return
-        while len(q) and self.capacity.inflight[model_id] < self.limit(model_id):
-            w = q.pop()
+        while len(q):
+            inflight = self.capacity.inflight[model_id]
+            if inflight < self.limit(model_id):
+                w = q.pop()
+            elif inflight < self.top_limit(model_id):
+                w = q.pop_band(self.cfg.top_priority)
+            else:
+                return
             if w is None:
                 return
             self.capacity.inflight[model_id] += 1

@@ -281,12 +281,36 @@ def test_the_adaptive_bound_cuts_when_the_engine_is_slow_and_grows_while_request
 
     async def go() -> None:
         for _ in range(10):
-            _reserve(flow, cfg, "premium", "p")
+            _reserve(flow, cfg, "standard", "s")  # 4 go in, 6 wait
         for _ in range(40):
             flow.observe("tiny", 0, 0.1)
 
     run(go)
     assert 8 <= flow.limit("tiny") <= 20
+
+
+def test_the_top_band_passes_a_cut_bound_up_to_the_ceiling() -> None:
+    now = [0.0]
+    cfg = _cfg(inflight=8, adaptive=True, min_inflight_per_replica=2, target_share=0.5)
+
+    async def go() -> tuple[list[bool], list[bool], list[str]]:
+        flow = Flow(cfg, Capacity(cfg), clock=lambda: now[0])
+        for _ in range(5):
+            now[0] += 1.0
+            flow.observe("tiny", 0, 2.0)
+        assert flow.limit("tiny") == 2 and flow.top_limit("tiny") == 8
+        lower = [_reserve(flow, cfg, "standard", "s") for _ in range(3)]
+        top = [_reserve(flow, cfg, "premium", "p") for _ in range(7)]
+        granted = [w.granted for w in lower], [w.granted for w in top]
+        # A slot freed with both bands waiting: over the bound, only the top band may take it.
+        flow.release("tiny")
+        await asyncio.sleep(0)
+        return *granted, [w.tier for w in (lower[2], top[6]) if w.granted]
+
+    lower, top, granted = run(go)
+    assert lower == [True, True, False]  # the cut bound holds the lower band at 2
+    assert top == [True] * 6 + [False]  # premium runs up to the ceiling of 8 in flight
+    assert granted == ["premium"]
 
 
 def test_the_engines_ttft_reaches_the_bound_when_a_request_settles() -> None:
