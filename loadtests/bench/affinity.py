@@ -70,6 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8, help="reply length per turn")
     p.add_argument("--kv-mib", type=int, default=14, help="KV cache per replica (MiB; 1 KiB/token)")
     p.add_argument("--load-factor", type=float, default=1.25)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each load and router (medians)")
     p.add_argument("--results-dir", default=str(ROOT / "results" / "bench"))
     return p.parse_args(argv)
 
@@ -279,6 +280,30 @@ def client_view(results: list[dict[str, Any]]) -> dict[str, Any]:
             "prompt_tokens": prompt}
 
 
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One figure per measure over the repeats: the median of each ratio and time; requests and
+    router decisions summed. The repeats themselves stay in ``runs``."""
+    def med(part: str, name: str) -> float:
+        return float(statistics.median(r[part][name] for r in runs))
+
+    replicas: dict[str, int] = defaultdict(int)
+    decisions: dict[str, int] = defaultdict(int)
+    for r in runs:
+        for i, n in enumerate(sorted(r["engine"]["replica_requests"].values(), reverse=True)):
+            replicas[f"rank{i}"] += n
+        for d, n in r["engine"]["decisions"].items():
+            decisions[d] += n
+    return {
+        "engine": {"hit_ratio": med("engine", "hit_ratio"), "skew": med("engine", "skew"),
+                   "replica_requests": dict(replicas), "decisions": dict(decisions)},
+        "client": {"requests": sum(r["client"]["requests"] for r in runs),
+                   "ttft_p50_ms": med("client", "ttft_p50_ms"), "ttft_p90_ms": med("client", "ttft_p90_ms"),
+                   "cached_ratio": med("client", "cached_ratio")},
+        "seconds": sum(r["seconds"] for r in runs),
+        "runs": runs,
+    }
+
+
 # ---- report -------------------------------------------------------------------------------------------
 def replay_probe(stack: harness.Stack, ns: argparse.Namespace, sessions: list[Session]) -> dict[str, int]:
     """Another tenant's key replays tenant 0's first turn with its session header: no cached token
@@ -302,7 +327,9 @@ def markdown(doc: dict[str, Any]) -> str:
         f"tokens); {TENANTS} tenant keys; each session a {p['prefix_tokens']}-token tenant prompt "
         f"plus {p['turns']} turns (~{p['turn_tokens']} tokens more each, Claude Code's session "
         f"header), concurrency {p['concurrency']}. Four engines share this machine's 2 cores; "
-        "loads run one at a time. Hit ratio: vLLM's prefix-cache counters (hits/queries) over the "
+        f"loads run one at a time, {p['repeats']} repeats with the routers' order alternating, each "
+        "repeat with fresh prompts; every figure is the median of the repeats (requests and "
+        "decisions summed; requests per replica summed by rank). Hit ratio: vLLM's prefix-cache counters (hits/queries) over the "
         "model's replicas; cached: the answers' cached_tokens over prompt tokens; skew: max/min "
         "requests per replica (vLLM's request_success).", "",
         "| Load | Router | Requests | Hit ratio (vLLM counters) | Cached (answers) | TTFT p50 ms | "
@@ -373,29 +400,38 @@ def main(argv: list[str] | None = None) -> int:
             per_word = tokens_of(client, stack.root_url, tk[0], words(random.Random(0), 400)) / 400
         prefix_words = max(1, int(ns.prefix_tokens / per_word))
         user_words = max(1, int((ns.turn_tokens - ns.max_tokens) / per_word))
-        loads: dict[str, dict[str, Any]] = {"even": {}, "hot": {}}
+        runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+            ld: {AFFINITY: [], DEFAULT: []} for ld in ("even", "hot")}
         probe: dict[str, int] = {}
-        for li, load in enumerate(("even", "hot")):
-            for mi, model in enumerate((AFFINITY, DEFAULT)):
-                seed = 100 * li + mi  # fresh prompts per model and load
-                rng = random.Random(seed)
-                systems = [f"You are tenant {i}'s coding agent. " + words(rng, prefix_words)
-                           for i in range(TENANTS)]
-                counts = ([ns.sessions] * TENANTS if load == "even"
-                          else [ns.hot_sessions] + [1] * (TENANTS - 1))
-                sessions = [Session(tk[i], i, systems[i]) for i in range(TENANTS) for _ in range(counts[i])]
-                random.Random(seed).shuffle(sessions)
-                before = scrape(urls)
-                t0 = time.monotonic()
-                results = run_load(stack.base_url, model, sessions, ns, user_words, seed)
-                took = time.monotonic() - t0
-                after = settled(urls)
-                loads[load][model] = {"engine": engine_view(before, after, model),
-                                      "client": client_view(results), "seconds": round(took, 1)}
-                say(f"{load} {model}: {json.dumps(loads[load][model])}")
-                if load == "even" and model == AFFINITY:
-                    probe = replay_probe(stack, ns, sessions)
-                    say(f"probe: {probe}")
+        for rep in range(ns.repeats):
+            # The order alternates between repeats, so neither router always runs right after the
+            # other (whose engines keep spinning for about a second after their last request).
+            order = (AFFINITY, DEFAULT) if rep % 2 == 0 else (DEFAULT, AFFINITY)
+            for li, load in enumerate(("even", "hot")):
+                for model in order:
+                    mi = (AFFINITY, DEFAULT).index(model)
+                    seed = 1000 * rep + 100 * li + mi  # fresh prompts per repeat, load and model
+                    rng = random.Random(seed)
+                    systems = [f"You are tenant {i}'s coding agent. " + words(rng, prefix_words)
+                               for i in range(TENANTS)]
+                    counts = ([ns.sessions] * TENANTS if load == "even"
+                              else [ns.hot_sessions] + [1] * (TENANTS - 1))
+                    sessions = [Session(tk[i], i, systems[i])
+                                for i in range(TENANTS) for _ in range(counts[i])]
+                    random.Random(seed).shuffle(sessions)
+                    before = scrape(urls)
+                    t0 = time.monotonic()
+                    results = run_load(stack.base_url, model, sessions, ns, user_words, seed)
+                    took = time.monotonic() - t0
+                    after = settled(urls)
+                    one = {"engine": engine_view(before, after, model),
+                           "client": client_view(results), "seconds": round(took, 1)}
+                    runs[load][model].append(one)
+                    say(f"repeat {rep + 1}/{ns.repeats} {load} {model}: {json.dumps(one)}")
+                    if rep == 0 and load == "even" and model == AFFINITY:
+                        probe = replay_probe(stack, ns, sessions)
+                        say(f"probe: {probe}")
+        loads = {ld: {m: combine(rs) for m, rs in per.items()} for ld, per in runs.items()}
     finally:
         stack.stop(say=say)
     doc = {"command": run.command, "timestamp": run.stamp,
