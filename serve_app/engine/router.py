@@ -17,9 +17,11 @@ prompt's leading text; ``serve_app.gateway.affinity``) to the same replica:
   bound, instead of bouncing back and forth (each bounce would be a cold prefill). The memory is
   bounded (least recently used keys are forgotten and fall back to their hash rank).
 
-In-flight counts are this router's own (one per gateway replica: sent minus completed), so two
-gateway replicas each guard the share they send; the bound is relative to the mean, which both see
-alike under an even spread. A request without a key (an embedding model's, a probe) takes the
+A replica's load is the larger of this router's own in-flight count (one router per gateway
+replica: sent minus completed) and the replica's own count of ongoing requests as it last
+reported it to this router (Ray Serve's queue-length cache: each replica returns its count when it
+accepts a request, and it counts every gateway's requests). So with several gateway replicas the
+guard sees the others' requests too, as of this router's last send to that replica. A request without a key (an embedding model's, a probe) takes the
 least-loaded replica. ``AffinityTable`` is the pure policy (unit-tested without Ray);
 ``AffinityRouter`` plugs it into Ray Serve's ``RequestRouter`` API (``RequestRouterConfig``,
 wired by ``serve_app.app``).
@@ -150,14 +152,21 @@ class AffinityRouter(RequestRouter):
         """One rank per replica, in the placement's order: Ray Serve takes the first whose queue
         is not full (``max_ongoing_requests``)."""
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        load = {r.replica_id.unique_id: self._in_flight.get(r.replica_id, 0)
-                for r in candidate_replicas}
+        load = {r.replica_id.unique_id: self._load(r.replica_id) for r in candidate_replicas}
         placement = self._table.place(affinity_key(pending_request), list(by_id), load)
         self._record(placement.decision)
         if pending_request is not None:
             # Every replica is offered at once; if none takes it, Ray Serve waits before asking again.
             pending_request.routing_context.should_backoff = True
         return [[by_id[r]] for r in placement.order]
+
+    def _load(self, replica_id: ReplicaID) -> int:
+        """This router's own in-flight count, or the replica's last reported count of ongoing
+        requests (every gateway's) if larger."""
+        own = self._in_flight.get(replica_id, 0)
+        cache = getattr(self, "_replica_queue_len_cache", None)
+        reported = cache.get(replica_id) if cache is not None else None
+        return max(own, reported or 0)
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)

@@ -213,6 +213,20 @@ def test_router_spills_when_its_own_in_flight_count_is_over_the_bound() -> None:
     assert other is not home and metrics.seen[-1] == "spill"
 
 
+def test_router_spills_on_the_load_other_gateways_put_on_the_home() -> None:
+    """The replica's own count (Ray Serve's queue-length cache, which every gateway's requests
+    raise) counts even when this router sent nothing there."""
+    from ray.serve._private.request_router.common import ReplicaQueueLengthCache
+
+    r, replicas, metrics = _router()
+    r._replica_queue_len_cache = ReplicaQueueLengthCache()
+    home = asyncio.run(r.choose_replicas(replicas, _request("s")))[0][0]  # type: ignore[arg-type]
+    assert r._in_flight.get(home.replica_id, 0) == 0
+    r._replica_queue_len_cache.update(home.replica_id, 3)  # another gateway's three requests
+    other = asyncio.run(r.choose_replicas(replicas, _request("s")))[0][0]  # type: ignore[arg-type]
+    assert other is not home and metrics.seen[-1] == "spill"
+
+
 def test_shipped_path_names_the_router() -> None:
     module, _, name = ROUTER_PATH.partition(":")
     assert module == router_mod.__name__ and getattr(router_mod, name) is AffinityRouter
