@@ -36,12 +36,13 @@ import asyncio
 import math
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,42 @@ class Sample:
     status: int  # 0: no answer (timeout, connection error)
     ttft_ms: float | None = None
     tokens: int = 0
+    # The gateway's Server-Timing at the head (stage -> ms, ``total`` among them), and the client's
+    # own time to the head: where a slow first token waited.
+    stages: dict[str, float] = field(default_factory=dict)
+    head_ms: float | None = None
+
+
+def parse_server_timing(value: str) -> dict[str, float]:
+    """``front_door;dur=1.2, queue;dur=3.0`` -> {stage: ms}; malformed parts are skipped."""
+    out: dict[str, float] = {}
+    for part in value.split(","):
+        name, _, rest = part.strip().partition(";")
+        if name and rest.startswith("dur="):
+            try:
+                out[name] = float(rest[4:])
+            except ValueError:
+                continue
+    return out
+
+
+def tail_stages(samples: Sequence[Sample], q: float = 0.95) -> dict[str, float]:
+    """Median of each stage over the answers at or above the ``q`` TTFT quantile (the tail that
+    makes the p95), with ``client_head`` (the client's time to the head) and ``beyond_total``
+    (that minus the gateway's ``total``: time before the front door stamped the request and
+    after the head left)."""
+    ok = sorted((s for s in samples if s.ttft_ms is not None and s.stages), key=lambda s: s.ttft_ms or 0.0)
+    if not ok:
+        return {}
+    tail = ok[min(len(ok) - 1, int(q * len(ok))):]
+    names = sorted({k for s in tail for k in s.stages})
+    out = {k: round(statistics.median(s.stages.get(k, 0.0) for s in tail), 1) for k in names}
+    heads = [s.head_ms for s in tail if s.head_ms is not None]
+    if heads:
+        out["client_head"] = round(statistics.median(heads), 1)
+        out["beyond_total"] = round(statistics.median(
+            (s.head_ms or 0.0) - s.stages.get("total", 0.0) for s in tail if s.head_ms is not None), 1)
+    return out
 
 
 def summarise(samples: Sequence[Sample], objective_ms: Mapping[str, float],
@@ -172,6 +209,8 @@ async def stream_once(client: httpx.AsyncClient, url: str, u: Users, prompt: Pro
         async with client.stream("POST", url, json=body,
                                  headers={"Authorization": f"Bearer {u.secret}"}) as r:
             s.status = r.status_code
+            s.head_ms = (time.perf_counter() - t0) * 1000
+            s.stages = parse_server_timing(r.headers.get("server-timing", ""))
             if r.status_code == 200:
                 async for line in r.aiter_lines():
                     if not line.startswith("data: {"):
@@ -267,7 +306,8 @@ def flow_edit(on: bool) -> Any:
 
 def level(samples: list[Sample], objective_ms: Mapping[str, float], users: int) -> dict[str, Any]:
     return {"users": users, "tiers": summarise(samples, objective_ms),
-            "total_output_tok_s": total_tok_s(samples)}
+            "total_output_tok_s": total_tok_s(samples),
+            "premium_tail_stages_ms": tail_stages([s for s in samples if s.tier == "premium"])}
 
 
 def search_base(base_url: str, keys: Mapping[str, str], ns: argparse.Namespace,
@@ -372,6 +412,16 @@ def markdown(doc: Mapping[str, Any]) -> str:
             lines.append(f"| {m}x ({lv['users']} users) | {mode} | {_v(p.get('ttft_p95_ms'))} ms "
                          f"| {p.get('rejected', 0)} of {p.get('requests', 0)} | {_v(b.get('ttft_p95_ms'))} ms "
                          f"| {b.get('rejected', 0)} of {b.get('requests', 0)} | {_v(lv['total_output_tok_s'])} |")
+    tails = [(m, mode, modes[mode]["levels"][str(m)].get("premium_tail_stages_ms"))
+             for m in MULTIPLES for mode in MODES
+             if str(m) in modes.get(mode, {}).get("levels", {})]
+    if any(t for _, _, t in tails):
+        lines += ["", "Where premium's slowest 5 % waited (medians, ms; the gateway's Server-Timing "
+                  "stages at the head, `client_head` the client's own time to the head, "
+                  "`beyond_total` that minus the gateway's `total`):", ""]
+        for m, mode, t in tails:
+            if t:
+                lines.append(f"- {m}x {mode}: " + ", ".join(f"{k} {v:,.0f}" for k, v in t.items()))
     search = modes.get("off", {}).get("search")
     if search:
         lines += ["", "Search (queue off): " + ", ".join(

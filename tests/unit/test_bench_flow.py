@@ -77,3 +77,14 @@ def test_bench_keys_have_their_limits_lifted_or_kept(tmp_path: Path) -> None:
     assert rows["lifted"]["limits"]["rpm"] == flow.LIFTED["rpm"]
     assert rows["lifted"]["limits"]["max_concurrent"] == flow.LIFTED["max-concurrent"]
     assert not rows["kept"].get("limits")
+
+
+def test_server_timing_is_read_and_the_tail_shows_where_it_waited() -> None:
+    assert flow.parse_server_timing("front_door;dur=1.5, queue;dur=300.0, bad, x;y=1, total;dur=320") == {
+        "front_door": 1.5, "queue": 300.0, "total": 320.0}
+    fast = [Sample("p", "premium", 0, 1, 200, ttft_ms=50, stages={"queue": 0.0, "total": 40.0}, head_ms=45)
+            for _ in range(19)]
+    slow = Sample("p", "premium", 0, 1, 200, ttft_ms=900, stages={"queue": 700.0, "total": 800.0}, head_ms=880)
+    tail = flow.tail_stages([*fast, slow])
+    assert tail == {"queue": 700.0, "total": 800.0, "client_head": 880.0, "beyond_total": 80.0}
+    assert flow.tail_stages([]) == {}
