@@ -4,8 +4,13 @@
 model, and the full stack (``serve-app run``: Ray Serve, gateway, keys) unless ``--gateway-url`` and
 ``--api-key`` name a running one. It then runs ``vllm.benchmarks.serve`` (the code behind
 ``vllm bench serve``) against both with the same seed, prompts and fixed output lengths, at each
-concurrency and for each repeat, and reports medians, the gateway/direct ratios and the gateway
-replica's peak RSS. It fails (exit 1) if a request failed or an output token count differs.
+concurrency and for each repeat, and reports medians, the gateway/direct ratios, each side's
+front-end CPU per 1,000 output tokens and the gateway replica's peak RSS. It fails (exit 1) if a
+request failed or an output token count differs.
+
+The runs are fair: only the side under test has a live vLLM engine. The other sides' engine
+processes are suspended (SIGSTOP) during its run and resumed before their own (``procs.EngineSwitch``;
+docs/PERFORMANCE.md, "Fairness"), the order alternates, and every figure is a median of the repeats.
 
 The direct side gets the engine arguments from ``serve-app engine-args``, the stack comes from
 loadtests.harness.stack and its key from ``serve-app keys create``: the benchmark uses only public commands.
