@@ -214,9 +214,18 @@ class EngineSwitch:
         return {
             "live": len(live),
             "suspended": {s: len(p - live) for s, p in engines.items() if p - live},
-            "suspended_verified": all(self.state(pid) in ("T", "t", None) for pid in stop),
+            "suspended_verified": self._all_stopped(stop),
             "settle_s": self.settle_s,
         }
+
+    def _all_stopped(self, pids: set[int], tries: int = 20) -> bool:
+        """Whether every suspended process is seen stopped (SIGSTOP takes effect when the process
+        is next scheduled, so it is polled for up to ``tries`` x 0.1 s)."""
+        for _ in range(tries):
+            if all(self.state(pid) in ("T", "t", None) for pid in pids):
+                return True
+            self.sleep(0.1)
+        return False
 
     def resume_all(self) -> None:
         """SIGCONT every engine process suspended so far (and any found now): before shutdown."""

@@ -100,7 +100,7 @@ def test_a_run_suspends_the_other_sides_engines_resumes_its_own_and_waits() -> N
     assert k.stopped == {23, 24, 26, 27, 33}
     assert rec == {"live": 2, "suspended": {"gateway": 4, "rayserve": 1}, "suspended_verified": True,
                    "settle_s": 1.0}
-    assert k.slept == [1.0]
+    assert k.slept == [1.0]  # the settle time; no polling, every engine was seen stopped at once
     rec = sw.only("gateway")
     assert k.stopped == {11, 12, 33}
     assert (23, signal.SIGCONT) in k.sent and (24, signal.SIGCONT) in k.sent
@@ -124,6 +124,12 @@ def test_a_suspended_engine_that_is_not_seen_stopped_is_reported() -> None:
     sw = procs.EngineSwitch(ROOTS, kill=lambda pid, sig: None, sleep=lambda s: None,
                             table=lambda: k.table, state=lambda pid: "R")
     assert sw.only("direct")["suspended_verified"] is False
+    # SIGSTOP takes effect when the process is next scheduled: a late stop still counts.
+    seen = iter(["R"] * 3 + ["T"] * 100)
+    slept: list[float] = []
+    sw = procs.EngineSwitch(ROOTS, settle_s=0.0, kill=lambda pid, sig: None, sleep=slept.append,
+                            table=lambda: k.table, state=lambda pid: next(seen))
+    assert sw.only("direct")["suspended_verified"] is True and 0.1 in slept
 
 
 # ---- CPU accounting ---------------------------------------------------------------------------------
