@@ -59,9 +59,10 @@ Say = Callable[[str], None]
 
 
 # ---- virtualenvs ---------------------------------------------------------------------------------
-def venv_dirs(results_dir: Path) -> dict[str, Path]:
-    """Where each peer's virtualenv lives (under the results folder, ignored by git)."""
-    base = Path(results_dir) / "peers" / "venvs"
+def venv_dirs(results_dir: Path, base: Path | None = None) -> dict[str, Path]:
+    """Where each peer's virtualenv lives: under the results folder (ignored by git), or under
+    ``base`` (``--peer-venvs``: reuse the venvs of another results folder)."""
+    base = Path(base) if base is not None else Path(results_dir) / "peers" / "venvs"
     return {"rayserve": base / "rayserve-llm", "litellm": base / f"litellm-{LITELLM_VERSION}"}
 
 

@@ -1,7 +1,8 @@
-"""Processes for the benchmark: direct vLLM, CPU accounting of a process tree, and finding a
-running stack's Ray cluster. Starting and stopping processes (and the stack) is loadtests.harness.stack's
-job; nothing here stops a process. Also where every benchmark run writes its results (``new_run``,
-``write_results``).
+"""Processes for the benchmark: direct vLLM, CPU accounting of a process tree, finding a running
+stack's Ray cluster, and keeping one side's vLLM engines live at a time (``EngineSwitch``: the other
+sides' engines are suspended with SIGSTOP and resumed with SIGCONT). Starting and stopping processes
+(and the stack) is loadtests.harness.stack's job; nothing here ends a process. Also where every
+benchmark run writes its results (``new_run``, ``write_results``).
 """
 
 from __future__ import annotations
@@ -9,13 +10,17 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import signal
 import sys
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from loadtests.bench.report import is_engine
 from loadtests.harness.stack import Proc, all_pids, cmdline, descendants, proc_stat, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,6 +110,139 @@ def cpu_seconds_of(roots: list[int]) -> dict[str, float]:
         for k, v in cpu_seconds(root).items():
             out[k] = out.get(k, 0.0) + v
     return out
+
+
+# ---- one live engine at a time ---------------------------------------------------------------------
+# Seconds between resuming a side's engines and its run: the resumed processes get scheduled again
+# and a suspended engine that was still busy-waiting (vLLM's CPU engine spins about a second after
+# its last request) has spun out.
+ENGINE_SETTLE_S = 1.0
+
+
+def process_table() -> dict[int, tuple[int, str]]:
+    """Every live process: pid -> (parent pid, ``_label``)."""
+    table: dict[int, tuple[int, str]] = {}
+    for pid in all_pids():
+        st = proc_stat(pid)
+        if st is not None:
+            table[pid] = (st[0], _label(pid))
+    return table
+
+
+def engine_pids(roots: Iterable[int], table: Mapping[int, tuple[int, str]]) -> set[int]:
+    """The vLLM engine processes in the trees under ``roots``: every process labelled as an engine
+    (``VLLM::EngineCore``, its ``VLLM::Worker``) and everything below one. Front ends (vLLM's API
+    server, Ray Serve replicas, Ray's daemons, HAProxy) are never in it."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found: set[int] = set()
+    todo = [(root, False) for root in roots]
+    seen: set[int] = set()
+    while todo:
+        pid, below_engine = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        engine = below_engine or (pid in table and is_engine(table[pid][1]))
+        if engine:
+            found.add(pid)
+        todo += [(child, engine) for child in children.get(pid, [])]
+    return found
+
+
+def suspension_plan(engines: Mapping[str, set[int]], side: str) -> tuple[set[int], set[int]]:
+    """(suspend, resume) before ``side``'s run: every other side's engines are suspended, the
+    side's own resumed. A side that fronts another's engine (the LiteLLM proxy, whose process tree
+    list includes direct vLLM's) has that engine among its own, so it stays live."""
+    live = set(engines.get(side, set()))
+    every: set[int] = set().union(*engines.values()) if engines else set()
+    return every - live, live
+
+
+def _state(pid: int) -> str | None:
+    """The scheduler state letter of a process (``T`` when stopped), or None if it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rindex(")") + 2 :].split()[0]
+
+
+@dataclass
+class EngineSwitch:
+    """Keeps only the side under test's vLLM engines running.
+
+    A vLLM CPU engine pins its OpenMP thread to the same core as every other engine here and
+    busy-waits about a second after its last request, so a side's idle engine slows whichever side
+    runs next. ``only(side)`` suspends (SIGSTOP) the engine processes of every other side and
+    resumes (SIGCONT) the side's own, then waits ``settle_s``. Only engine processes are suspended:
+    the front ends (vLLM's API server, Ray Serve's replicas, which answer health checks from their
+    own process, Ray's daemons) keep running, so nothing declares a suspended engine dead.
+    ``resume_all`` must run before any process is stopped: a stopped process never handles the
+    signal that asks it to exit.
+
+    ``roots`` is each side's list of process-tree roots (the ones its CPU is accounted from).
+    Engines are looked up again before every run, so a replaced replica's new engine is found.
+    """
+
+    roots: Mapping[str, list[int]]
+    settle_s: float = ENGINE_SETTLE_S
+    kill: Callable[[int, int], None] = os.kill
+    sleep: Callable[[float], None] = time.sleep
+    table: Callable[[], Mapping[int, tuple[int, str]]] = process_table
+    state: Callable[[int], str | None] = _state
+    suspended: set[int] = field(default_factory=set)
+
+    def engines(self) -> dict[str, set[int]]:
+        table = self.table()
+        return {side: engine_pids(roots, table) for side, roots in self.roots.items()}
+
+    def only(self, side: str) -> dict[str, Any]:
+        """Suspend every other side's engines, resume ``side``'s, wait ``settle_s``. Returns what
+        was done, for the run's record: the engine processes left live and those suspended (by
+        side), and whether every suspended one was seen stopped."""
+        engines = self.engines()
+        stop, live = suspension_plan(engines, side)
+        for pid in sorted(stop):
+            self._signal(pid, signal.SIGSTOP)
+            self.suspended.add(pid)
+        for pid in sorted(live):
+            self._signal(pid, signal.SIGCONT)
+            self.suspended.discard(pid)
+        self.sleep(self.settle_s)
+        return {
+            "live": len(live),
+            "suspended": {s: len(p - live) for s, p in engines.items() if p - live},
+            "suspended_verified": self._all_stopped(stop),
+            "settle_s": self.settle_s,
+        }
+
+    def _all_stopped(self, pids: set[int], tries: int = 20) -> bool:
+        """Whether every suspended process is seen stopped (SIGSTOP takes effect when the process
+        is next scheduled, so it is polled for up to ``tries`` x 0.1 s)."""
+        for _ in range(tries):
+            if all(self.state(pid) in ("T", "t", None) for pid in pids):
+                return True
+            self.sleep(0.1)
+        return False
+
+    def resume_all(self) -> None:
+        """SIGCONT every engine process suspended so far (and any found now): before shutdown."""
+        pids = set(self.suspended)
+        try:
+            pids |= set().union(*self.engines().values())
+        except Exception:  # resuming what we know of matters more than a fresh scan
+            pass
+        for pid in sorted(pids):
+            self._signal(pid, signal.SIGCONT)
+        self.suspended.clear()
+
+    def _signal(self, pid: int, sig: int) -> None:
+        try:
+            self.kill(pid, sig)
+        except ProcessLookupError:
+            self.suspended.discard(pid)
 
 
 def _ancestors(pid: int) -> set[int]:

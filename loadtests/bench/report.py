@@ -24,6 +24,7 @@ COLUMNS = (
     ("tpot_p50_ms", "TPOT p50 ms", "{:.2f}"),
     ("tpot_p99_ms", "TPOT p99 ms", "{:.2f}"),
     ("total_output_tokens", "Output tokens", "{:.0f}"),
+    ("frontend_cpu_per_1k", "Front-end CPU-s per 1k tok", "{:.3f}"),
 )
 TIMED = tuple(k for k, _, _ in COLUMNS if k != "total_output_tokens")
 
@@ -48,7 +49,45 @@ def run_metrics(result: dict[str, Any]) -> dict[str, Any]:
         "itl_p50_ms": float(result.get("p50_itl_ms", result.get("median_itl_ms", 0.0))),
         "e2el_p50_ms": float(result.get("p50_e2el_ms", result.get("median_e2el_ms", 0.0))),
         "errors": sorted(set(e.strip().splitlines()[-1][:300] for e in errors))[:3],
+        # Filled by ``add_cpu`` once the run's CPU is known; None when no server was accounted.
+        "frontend_cpu_s": None,
+        "engine_cpu_s": None,
+        "frontend_cpu_per_1k": None,
     }
+
+
+CLIENT = "benchmark client"
+
+
+def is_engine(label: str) -> bool:
+    """vLLM's engine processes (``VLLM::EngineCore``, ``VLLM::Worker``): the same on every side."""
+    return label.upper().startswith("VLLM::")
+
+
+def add_cpu(m: dict[str, Any]) -> None:
+    """Split a run's ``cpu_s`` (CPU seconds per process kind) into the engine's and the front end's
+    (every other server process: vLLM's API server; the gateway, model replica, HAProxy and Ray's
+    own processes; a proxy), and the front end's per 1,000 output tokens, the figure that compares
+    what each side spends around the same engine. Call it after the output tokens are final (a
+    peer's are corrected by the engine's count). Without server processes (an external stack
+    whose processes were not found) the three stay None."""
+    servers = {k: v for k, v in (m.get("cpu_s") or {}).items() if k != CLIENT}
+    if not servers:
+        return
+    front = sum(v for k, v in servers.items() if not is_engine(k))
+    m["frontend_cpu_s"] = round(front, 2)
+    m["engine_cpu_s"] = round(sum(servers.values()) - front, 2)
+    tokens = m.get("total_output_tokens") or 0
+    m["frontend_cpu_per_1k"] = front * 1000.0 / tokens if tokens else None
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float],
+              floor: float = 0.05) -> dict[str, float]:
+    """CPU seconds used between two ``procs.cpu_seconds`` readings, per process kind, largest
+    first; kinds below ``floor`` are left out (a process that only existed at one reading counts
+    from zero)."""
+    used = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items() if v - before.get(k, 0.0) >= floor}
+    return dict(sorted(used.items(), key=lambda kv: -kv[1]))
 
 
 def failed_run(message: str) -> dict[str, Any]:
@@ -124,7 +163,7 @@ def medians(runs: list[dict[str, Any]], concurrencies: list[int],
             ms = [r["metrics"] for r in runs if r["concurrency"] == c and r["side"] == side]
             if not ms:
                 continue
-            med = {k: statistics.median(m[k] for m in ms) for k, _, _ in COLUMNS}
+            med: dict[str, Any] = {k: _median([m.get(k) for m in ms]) for k, _, _ in COLUMNS}
             labels = sorted({k for m in ms for k in m.get("cpu_s", {})})
             med["cpu_s"] = {k: statistics.median(m.get("cpu_s", {}).get(k, 0.0) for m in ms)
                             for k in labels}
@@ -134,6 +173,12 @@ def medians(runs: list[dict[str, Any]], concurrencies: list[int],
             med["failed_all_repeats"] = sum(m["failed"] for m in ms)
             out[c][side] = med
     return out
+
+
+def _median(values: list[Any]) -> float | None:
+    """The median of the numbers among ``values`` (a run without CPU figures has None)."""
+    nums = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(nums) if nums else None
 
 
 def ratios(summary: dict[int, dict[str, Any]], side: str = "gateway") -> dict[int, dict[str, float]]:
@@ -195,12 +240,12 @@ def markdown(summary: dict[int, dict[str, Any]], rat: dict[int, dict[str, float]
         ]
         for c, side, m in cpu_rows:
             per_k = 1000.0 / m["total_output_tokens"] if m["total_output_tokens"] else 0.0
-            servers = {k: v * per_k for k, v in m["cpu_s"].items() if k != "benchmark client"}
+            servers = {k: v * per_k for k, v in m["cpu_s"].items() if k != CLIENT}
             top = sorted(servers.items(), key=lambda kv: -kv[1])[:4]
             lines.append(
                 f"| {c} | {side} | {sum(servers.values()):.2f} | "
                 + ", ".join(f"{k} {v:.2f}" for k, v in top)
-                + f" | {m['cpu_s'].get('benchmark client', 0.0) * per_k:.2f} |"
+                + f" | {m['cpu_s'].get(CLIENT, 0.0) * per_k:.2f} |"
             )
     lines.append("")
     heads = []
@@ -209,6 +254,12 @@ def markdown(summary: dict[int, dict[str, Any]], rat: dict[int, dict[str, float]
             heads.append(f"tokens/s ratio gateway/direct at c{c}: **{rat[c]['tok_s_ratio']:.2f}**")
     if 1 in rat:
         heads.append(f"TTFT p50 delta at c1: **{rat[1]['ttft_p50_delta_ms']:+.1f} ms**")
+    highest = max(summary) if summary else None
+    if highest is not None:
+        front = {side: m.get("frontend_cpu_per_1k") for side, m in summary[highest].items()}
+        if any(isinstance(v, (int, float)) for v in front.values()):
+            heads.append(f"front-end CPU-s per 1,000 output tokens at c{highest}: " + ", ".join(
+                f"{side} **{_fmt('{:.3f}', v)}**" for side, v in front.items()))
     lines += [f"- {h}" for h in heads]
     if rss_bytes is not None:
         lines.append(f"- gateway replica peak RSS: **{rss_bytes / 2**20:.0f} MiB**")
@@ -250,18 +301,13 @@ def side_by_side_markdown(summary: dict[int, dict[str, Any]], sides: tuple[str, 
     return "\n".join(lines) + "\n"
 
 
-def is_engine(label: str) -> bool:
-    """vLLM's engine processes (``VLLM::EngineCore``, ``VLLM::Worker``): the same on every side."""
-    return label.upper().startswith("VLLM::")
-
-
 def cpu_per_1k(m: dict[str, Any]) -> dict[str, float]:
     """CPU seconds per 1,000 output tokens of each server process kind in one side's medians."""
     tokens = m.get("total_output_tokens") or 0
     if not tokens:
         return {}
     return {k: v * 1000.0 / tokens for k, v in sorted(m.get("cpu_s", {}).items(), key=lambda kv: -kv[1])
-            if k != "benchmark client"}
+            if k != CLIENT}
 
 
 def cpu_markdown(summary: dict[int, dict[str, Any]], c: int, sides: tuple[str, ...]) -> str:
@@ -281,3 +327,44 @@ def cpu_markdown(summary: dict[int, dict[str, Any]], c: int, sides: tuple[str, .
         lines.append(f"| {SIDE_NAMES.get(side, side)} | **front end (all but the engine's processes)** "
                      f"| **{front:.3f}** |")
     return "\n".join(lines) + "\n"
+
+
+def fairness_markdown(runs: list[dict[str, Any]], settle_s: float | None) -> str:
+    """How the run kept the sides from slowing each other, from what each run recorded: the engine
+    processes live and suspended during each side's runs, and the CPU the other sides' processes
+    used meanwhile. ``settle_s`` None means every engine stayed live (``--no-suspend``)."""
+    sides = list(dict.fromkeys(r["side"] for r in runs))
+    if settle_s is None:
+        head = ("**Fairness: none.** Every side's vLLM engine stayed live during every run "
+                "(`--no-suspend`), so an engine that had just served a run busy-waited into the next "
+                "side's run.")
+    else:
+        head = (f"**Fairness.** Only the side under test had a live vLLM engine. Before each run, "
+                "the engine processes of every other side (`VLLM::EngineCore` and its `VLLM::Worker`, "
+                "found in each side's process tree) were suspended with SIGSTOP, the side's own "
+                f"resumed with SIGCONT, and the run started {settle_s:g} s later. The LiteLLM "
+                "proxy's engine is direct vLLM's. Front ends stayed up (idle), so the other sides' "
+                "processes still used some CPU during a run (last column). Sides alternate (two) or "
+                "rotate (more) at every step, so each goes first equally often.")
+    lines = [head, "", "| Side | Engine processes live | Suspended (by side) | Other sides' CPU-s "
+             "per run (median) |", "| --- | --- | --- | ---: |"]
+    problems = []
+    for side in sides:
+        recs = [r["metrics"] for r in runs if r["side"] == side]
+        eng = [m["engines"] for m in recs if m.get("engines")]
+        live = sorted({e["live"] for e in eng})
+        stopped: dict[str, set[int]] = {}
+        for e in eng:
+            for other, n in e["suspended"].items():
+                stopped.setdefault(other, set()).add(n)
+        if eng and not all(e["suspended_verified"] for e in eng):
+            problems.append(f"{side}: a suspended engine was not seen stopped in some run")
+        if eng and 0 in live:
+            problems.append(f"{side}: no engine process found in some run (not isolated)")
+        bg = _median([m.get("background_cpu_s") for m in recs])
+        lines.append(
+            f"| {side} | {'/'.join(map(str, live)) or 'all (none suspended)'} | "
+            + (", ".join(f"{o} {'/'.join(map(str, sorted(n)))}" for o, n in stopped.items()) or "none")
+            + f" | {_fmt('{:.2f}', bg)} |")
+    lines += [""] + [f"- WARNING: {p}" for p in problems]
+    return "\n".join(lines).rstrip("\n") + "\n"

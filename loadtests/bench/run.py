@@ -4,8 +4,13 @@
 model, and the full stack (``serve-app run``: Ray Serve, gateway, keys) unless ``--gateway-url`` and
 ``--api-key`` name a running one. It then runs ``vllm.benchmarks.serve`` (the code behind
 ``vllm bench serve``) against both with the same seed, prompts and fixed output lengths, at each
-concurrency and for each repeat, and reports medians, the gateway/direct ratios and the gateway
-replica's peak RSS. It fails (exit 1) if a request failed or an output token count differs.
+concurrency and for each repeat, and reports medians, the gateway/direct ratios, each side's
+front-end CPU per 1,000 output tokens and the gateway replica's peak RSS. It fails (exit 1) if a
+request failed or an output token count differs.
+
+The runs are fair: only the side under test has a live vLLM engine. The other sides' engine
+processes are suspended (SIGSTOP) during its run and resumed before their own (``procs.EngineSwitch``;
+docs/PERFORMANCE.md, "Fairness"), the order alternates, and every figure is a median of the repeats.
 
 The direct side gets the engine arguments from ``serve-app engine-args``, the stack comes from
 loadtests.harness.stack and its key from ``serve-app keys create``: the benchmark uses only public commands.
@@ -74,6 +79,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per benchmark run")
     p.add_argument("--smoke", action="store_true",
                    help="quick check: concurrency 1 and 4, 8 prompts of 16 tokens, 1 repeat")
+    p.add_argument("--no-suspend", action="store_true",
+                   help="keep every side's vLLM engine live during every run (the method before the "
+                        "fair benchmark; only to compare with it): by default the other sides' engine "
+                        "processes are suspended (SIGSTOP) during each side's run")
+    p.add_argument("--peer-venvs", help="folder of the peers' venvs (default: <results-dir>/peers/venvs)")
     p.add_argument("--peers", nargs="?", const=",".join(report.PEER_SIDES), default="",
                    help="also run the same load against the peers (default with the flag: "
                         f"{','.join(report.PEER_SIDES)}): Ray Serve LLM and the LiteLLM proxy in "
@@ -102,17 +112,25 @@ def prompts_for(ns: argparse.Namespace, c: int) -> int:
 
 
 # ---- one benchmark run ------------------------------------------------------------------------------
+def roots_of(root: int | list[int] | None) -> list[int]:
+    """A side's process-tree roots (a proxy's list includes the server behind it)."""
+    return [] if root is None else [root] if isinstance(root, int) else list(root)
+
+
 def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, model_id: str,
             model_path: str, c: int, repeat: int, log: Path, stamp: str,
-            root: int | list[int] | None) -> dict[str, Any]:
+            root: int | list[int] | None, switch: procs.EngineSwitch | None = None,
+            others: list[int] | None = None) -> dict[str, Any]:
     """One ``vllm.benchmarks.serve`` run, in this process; its console output goes to ``log``.
     With ``root`` (a server's process), the CPU seconds each process of its tree used during the
-    run are recorded."""
+    run are recorded; with ``others`` (the other sides' roots), the CPU those used meanwhile
+    (``background_cpu_s``). With ``switch``, only this side's engines are live during the run."""
     from vllm.benchmarks.serve import add_cli_args, main_async
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     n = prompts_for(ns, c)
-    roots = [] if root is None else [root] if isinstance(root, int) else list(root)
+    roots = roots_of(root)
+    engines = switch.only(side) if switch is not None else None
     argv = [
         "--backend", ns.backend, "--base-url", root_url, "--endpoint", ENDPOINTS[ns.backend],
         "--model", model_id, "--tokenizer", model_path,
@@ -133,6 +151,7 @@ def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, m
         os.environ["OPENAI_API_KEY"] = key
     t0 = time.monotonic()
     cpu0, client0 = procs.cpu_seconds_of(roots), time.process_time()
+    bg0 = procs.cpu_seconds_of(others or [])
     try:
         with open(log, "a") as out, contextlib.redirect_stdout(out):
             print(f"\n===== {side} concurrency={c} repeat={repeat} prompts={n} =====", flush=True)
@@ -147,16 +166,24 @@ def run_one(ns: argparse.Namespace, side: str, root_url: str, key: str | None, m
         os.environ.pop("OPENAI_API_KEY", None)
         if saved is not None:
             os.environ["OPENAI_API_KEY"] = saved
-    cpu1 = procs.cpu_seconds_of(roots)
-    cpu = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items() if v - cpu0.get(k, 0.0) >= 0.05}
-    cpu["benchmark client"] = round(time.process_time() - client0, 2)
+    cpu = report.cpu_delta(cpu0, procs.cpu_seconds_of(roots))
+    cpu[report.CLIENT] = round(time.process_time() - client0, 2)
     metrics["cpu_s"] = dict(sorted(cpu.items(), key=lambda kv: -kv[1]))
+    if others:
+        metrics["background_cpu_s"] = round(sum(report.cpu_delta(
+            bg0, procs.cpu_seconds_of(others), floor=0.0).values()), 2)
+    if engines is not None:
+        metrics["engines"] = engines
     say(f"  {side:8} c={c:<3} repeat {repeat}: {metrics['output_tok_s']:7.0f} tok/s  "
         f"{metrics['req_s']:6.2f} req/s  TTFT p50 {metrics['ttft_p50_ms']:7.1f} ms  "
         f"TPOT p50 {metrics['tpot_p50_ms']:6.2f} ms  {metrics['completed']}/{n} ok, "
         f"{metrics['total_output_tokens']} tokens  ({time.monotonic() - t0:.0f} s)")
     if roots:
-        say("          CPU s: " + ", ".join(f"{k} {v:.1f}" for k, v in list(metrics["cpu_s"].items())[:6]))
+        say("          CPU s: " + ", ".join(f"{k} {v:.1f}" for k, v in list(metrics["cpu_s"].items())[:6])
+            + (f"; other sides {metrics['background_cpu_s']:.1f}" if others else ""))
+    if engines is not None:
+        say(f"          engines: {engines['live']} process(es) live, suspended "
+            f"{engines['suspended'] or 'none'}")
     for e in metrics["errors"]:
         say(f"    error: {e}")
     return {"metrics": metrics, "texts": texts, "num_prompts": n}
@@ -290,7 +317,7 @@ def start_peers(ns: argparse.Namespace, model_id: str, args: dict[str, Any], dir
                 direct_url: str, workdir: Path, started: list[Proc]) -> dict[str, tuple[str, None, Any]]:
     """Start the peers (each from its own venv) and wait until each answers a chat request.
     LiteLLM's CPU is accounted with the direct vLLM server behind it."""
-    venvs = peers.venv_dirs(Path(ns.results_dir))
+    venvs = peers.venv_dirs(Path(ns.results_dir), Path(ns.peer_venvs) if ns.peer_venvs else None)
     out: dict[str, tuple[str, None, Any]] = {}
     waits: list[tuple[str, Proc, Callable[[], bool], str]] = []
     for side in ns.peer_sides:
@@ -400,11 +427,17 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     started: list[Proc] = []
+    switch: procs.EngineSwitch | None = None
     t_start = time.monotonic()
     code = 0
     try:
         sides, ray_address, model_path = start_servers(ns, config, cfg, model, workdir, started)
         rss_before = gateway_rss(ray_address, workdir)
+        roots = {side: roots_of(root) for side, (_, _, root) in sides.items()}
+        if not ns.no_suspend:
+            switch = procs.EngineSwitch(roots)
+            say(f"fair runs: only the side under test has a live vLLM engine (the others' are "
+                f"suspended with SIGSTOP; {switch.settle_s:g} s after SIGCONT before each run)")
 
         runs: list[dict[str, Any]] = []
         problems: list[str] = []
@@ -419,9 +452,13 @@ def main(argv: list[str] | None = None) -> int:
                 pair: dict[str, dict[str, Any]] = {}
                 for side in order:
                     url, key_, root = sides[side]
-                    pair[side] = run_one(ns, side, url, key_, model.id, model_path, c, r, log, stamp, root)
+                    others = [p for s, rs in roots.items() if s != side for p in rs
+                              if p not in roots[side]]
+                    pair[side] = run_one(ns, side, url, key_, model.id, model_path, c, r, log, stamp,
+                                         root, switch, others)
                     if side in ns.peer_sides:
                         engine_counts(pair[side]["metrics"], ns.output_len)
+                    report.add_cpu(pair[side]["metrics"])
                 found = report.check_pair(pair["direct"]["metrics"], pair["gateway"]["metrics"],
                                           prompts_for(ns, c), ns.output_len)
                 problems += [f"c={c} repeat {r}: {p}" for p in found]
@@ -443,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "metrics": pair[side]["metrics"],
                                  "texts_identical_to_other_side": same if side in report.SIDES else None})
 
+        if switch is not None:
+            switch.resume_all()
         rss = gateway_rss(ray_address, workdir)
         summary = report.medians(runs, ns.concurrencies, ns.sides)
         rat = report.ratios(summary)
@@ -457,8 +496,12 @@ def main(argv: list[str] | None = None) -> int:
             "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
             "wall_time_s": round(time.monotonic() - t_start, 1),
             "sides": list(ns.sides),
+            "fairness": ({"method": "all engines live"} if switch is None else
+                         {"method": "other sides' engines suspended (SIGSTOP) during each run",
+                          "settle_s_after_resume": switch.settle_s}),
         }
         table = report.markdown(summary, rat, rss, meta)
+        table += "\n" + report.fairness_markdown(runs, None if switch is None else switch.settle_s)
         if ns.peer_sides:
             table += peers_section(summary, ns, base, meta)
         doc = {
@@ -495,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
         say("interrupted")
         code = 130
     finally:
+        if switch is not None:  # a suspended process would never handle the signal that stops it
+            switch.resume_all()
         # The stack first (SIGINT lets the CLI shut Ray down cleanly), then direct vLLM.
         for proc in reversed(started):
             harness.stop(proc, timeout_s=90 if "stack" in proc.name or "Ray" in proc.name else 30,
