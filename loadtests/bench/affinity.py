@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=8, help="reply length per turn")
     p.add_argument("--kv-mib", type=int, default=14, help="KV cache per replica (MiB; 1 KiB/token)")
+    p.add_argument("--block-size", type=int, default=32,
+                   help="KV block size, both models (vLLM's CPU default is 128: a turn's ~64 new "
+                        "tokens then leave up to 127 more uncached)")
     p.add_argument("--load-factor", type=float, default=1.25)
     p.add_argument("--repeats", type=int, default=3, help="runs of each load and router (medians)")
     p.add_argument("--results-dir", default=str(ROOT / "results" / "bench"))
@@ -81,7 +84,8 @@ def edit_for(ns: argparse.Namespace) -> Any:
         base = next(m for m in args["models"] if m["id"] == AFFINITY)
         on = json.loads(json.dumps(base))
         on["engine"] = {**on.get("engine", {}), "enable_prefix_caching": True,
-                        "kv_cache_memory_bytes": ns.kv_mib * 1024 * 1024, "max_model_len": 8192}
+                        "kv_cache_memory_bytes": ns.kv_mib * 1024 * 1024, "max_model_len": 8192,
+                        "block_size": ns.block_size}
         on["deployment"] = {**on.get("deployment", {}), "num_replicas": 2}
         # Two engines per model on 2 cores: let the OS place their one OpenMP thread each.
         on["env"] = {**on.get("env", {}), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
@@ -324,7 +328,7 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [
         f"Command: `{doc['command']}`", "",
         f"Two replicas per model, KV cache {p['kv_mib']} MiB per replica (about {p['kv_mib'] * 1024} "
-        f"tokens); {TENANTS} tenant keys; each session a {p['prefix_tokens']}-token tenant prompt "
+        f"tokens, blocks of {p.get('block_size', 128)}); {TENANTS} tenant keys; each session a {p['prefix_tokens']}-token tenant prompt "
         f"plus {p['turns']} turns (~{p['turn_tokens']} tokens more each, Claude Code's session "
         f"header), concurrency {p['concurrency']}. Four engines share this machine's 2 cores; "
         f"loads run one at a time, {p['repeats']} repeats with the routers' order alternating, each "
