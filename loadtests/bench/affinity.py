@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hot-sessions", type=int, default=16, help="the hot tenant's sessions")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=8, help="reply length per turn")
-    p.add_argument("--kv-mib", type=int, default=14, help="KV cache per replica (MiB; 1 KiB/token)")
+    p.add_argument("--kv-mib", type=int, default=16,
+                   help="KV cache per replica (MiB; 1 KiB/token): about 3/4 of the even load's working set")
     p.add_argument("--block-size", type=int, default=32,
                    help="KV block size, both models (vLLM's CPU default is 128: a turn's ~64 new "
                         "tokens then leave up to 127 more uncached)")

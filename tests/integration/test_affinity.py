@@ -9,6 +9,8 @@ dashboards read.
 - The openai SDK sends Claude Code's session header over several turns: every turn on one replica,
   and the later turns hit the prefix cache.
 - The real Claude Code CLI (``--session-id``, then ``--resume``): both runs' requests on one replica.
+- The real Codex CLI (``codex exec``, then ``codex exec resume --last``): its session id (header
+  and ``prompt_cache_key``) keeps both runs on one replica.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import pytest
 from loadtests.harness.stack import Stack, StackError, descendants, start_stack
 from serve_app.gateway.keys import create_key
 from tests.integration.agents import CLIENTS_BIN, can_unshare, run_isolated
-from tests.integration.test_agents_real import claude_env
+from tests.integration.test_agents_real import claude_env, codex_config
 
 pytestmark = pytest.mark.integration
 
@@ -176,5 +178,36 @@ def test_claude_code_turns_land_on_one_replica(two_replicas: Stack, tmp_path: Pa
         served += sum(1 for r in bridge.requests if r.split("?")[0] == "POST /v1/messages")
     per_replica = _settled(stack, before, served)
     print(f"[claude] {served} generations; per replica {json.dumps(per_replica)}")
+    assert served >= 2
+    assert len(per_replica) == 1, per_replica  # both runs (one session) on one replica
+
+
+def test_codex_turns_land_on_one_replica(two_replicas: Stack, tmp_path: Path) -> None:
+    if not (CLIENTS_BIN / "codex").exists():
+        pytest.skip("Codex is not installed: run `make clients`")
+    if not can_unshare():
+        pytest.skip("cannot create a network namespace (needs root): the agent would reach the internet")
+    stack = two_replicas
+    secret = _key(stack, "agent-codex-affinity")
+    codex_home = tmp_path / "codex-home"
+    codex_home.mkdir()
+    (codex_home / "config.toml").write_text(codex_config(stack.base_url, MODEL))
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"PATH": f"{CLIENTS_BIN}:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home),
+           "CODEX_HOME": str(codex_home), "SERVE_APP_API_KEY": secret}
+    port = httpx.URL(stack.base_url).port
+    assert port is not None
+    before = _counts(stack)
+    served = 0
+    for argv in (["codex", "exec", "--skip-git-repo-check", "Say hello in one word."],
+                 ["codex", "exec", "--skip-git-repo-check", "resume", "--last", "Now say bye."]):
+        proc, bridge = run_isolated(argv, port=port, workdir=tmp_path, env=env, timeout=600, stdin="")
+        print(f"\n[{' '.join(argv[1:4])}] exit {proc.returncode}; requests {bridge.requests}; "
+              f"statuses {bridge.statuses}; stderr {proc.stderr[-800:]!r}")
+        assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+        served += sum(1 for r in bridge.requests if r.split("?")[0] == "POST /v1/responses")
+    per_replica = _settled(stack, before, served)
+    print(f"[codex] {served} generations; per replica {json.dumps(per_replica)}")
     assert served >= 2
     assert len(per_replica) == 1, per_replica  # both runs (one session) on one replica
