@@ -32,7 +32,9 @@ token.
 - **Order.** Strictly by tier band (``TierConfig.priority``, lowest first); within a band, deficit
   round-robin between tenants (``KeyRecord.tenant_id``) weighted by each request's token
   reservation (prompt estimate plus completion bound), ``flow.quantum_tokens`` per turn: a tenant
-  with 32 requests waiting gets the same tokens per round as one with 2.
+  with 32 requests waiting gets the same tokens per round as one with 2. A tenant with nothing
+  waiting that sends a request has the next turn (FQ-CoDel's new flows), so a sparse tenant does not
+  wait behind a busy one's quantum.
 - **Bounds.** A request waits at most its tier's ``queue_wait_s`` and then gets 503 with
   Retry-After. Before it joins, the capacity (``max_ongoing_requests`` x replicas +
   ``max_queued_requests``) and the tier's ``shed_at`` share of ``saturation_requests`` are checked
@@ -110,10 +112,16 @@ class _Band:
         return sum(len(q) for q in self.queues.values())
 
     def push(self, w: Waiter) -> None:
+        """A tenant with nothing waiting (newly active) goes to the front of the ring and has the
+        next turn, as FQ-CoDel serves new flows first: a tenant that sends a request now and then
+        does not wait behind a busy tenant's whole quantum. The busy tenant's turn ends there, its
+        deficit carries over. A tenant that keeps requests waiting stays in the ring, so only a
+        sparse tenant gains, and only its one turn."""
         q = self.queues.get(w.tenant)
         if q is None:
             q = self.queues[w.tenant] = deque()
-            self.ring.append(w.tenant)
+            self.ring.appendleft(w.tenant)
+            self.turn_granted = False
             self.deficit[w.tenant] = 0.0
         q.append(w)
 

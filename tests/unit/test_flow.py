@@ -102,8 +102,9 @@ def test_within_a_band_tenants_take_turns() -> None:
         waiters += [_reserve(flow, cfg, "standard", "quiet") for _ in range(2)]
         return [w.tenant for w in _drain(flow, waiters)]
 
-    # The quiet tenant's two requests arrived after six of the noisy one's, and go 2nd and 4th.
-    assert run(go) == ["noisy", "quiet", "noisy", "quiet", "noisy", "noisy", "noisy", "noisy"]
+    # The quiet tenant's two requests arrived after six of the noisy one's: newly active, it has
+    # the next turn (1st), then the two take turns (3rd).
+    assert run(go) == ["quiet", "noisy", "quiet", "noisy", "noisy", "noisy", "noisy", "noisy"]
 
 
 def test_tenants_are_weighted_by_tokens() -> None:
