@@ -22,9 +22,9 @@ replica: sent minus completed) and the replica's own count of ongoing requests a
 reported it to this router (Ray Serve's queue-length cache: each replica returns its count when it
 accepts a request, and it counts every gateway's requests). So with several gateway replicas the
 guard sees the others' requests too, as of this router's last send to that replica. A request
-without a key (an embedding model's, a probe) takes the least-loaded replica. ``AffinityTable`` is the pure policy (unit-tested without Ray);
-``AffinityRouter`` plugs it into Ray Serve's ``RequestRouter`` API (``RequestRouterConfig``,
-wired by ``serve_app.app``).
+without a key (an embedding model's, a probe) takes the least-loaded replica. ``AffinityTable``
+is the pure policy (unit-tested without Ray); ``AffinityRouter`` plugs it into Ray Serve's
+``RequestRouter`` API (``RequestRouterConfig``, wired by ``serve_app.app``).
 """
 
 from __future__ import annotations
