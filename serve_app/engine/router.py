@@ -163,10 +163,8 @@ class AffinityRouter(RequestRouter):
     def _load(self, replica_id: ReplicaID) -> int:
         """This router's own in-flight count, or the replica's last reported count of ongoing
         requests (every gateway's) if larger."""
-        own = self._in_flight.get(replica_id, 0)
-        cache = getattr(self, "_replica_queue_len_cache", None)
-        reported = cache.get(replica_id) if cache is not None else None
-        return max(own, reported or 0)
+        reported = self._replica_queue_len_cache.get(replica_id)
+        return max(self._in_flight.get(replica_id, 0), reported or 0)
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)

@@ -175,8 +175,12 @@ class FakeMetrics:
 
 
 def _router() -> tuple[AffinityRouter, list[FakeReplica], FakeMetrics]:
+    """The router as Ray Serve's ``RequestRouter.__init__`` leaves it, without a controller."""
+    from ray.serve._private.request_router.common import ReplicaQueueLengthCache
+
     r = AffinityRouter.__new__(AffinityRouter)
     r._deployment_id = DeploymentID(name="model-tiny-chat", app_name="llm")
+    r._replica_queue_len_cache = ReplicaQueueLengthCache()
     r.initialize_state(load_factor=1.25)
     metrics = FakeMetrics()
     r._metrics = metrics
@@ -216,10 +220,7 @@ def test_router_spills_when_its_own_in_flight_count_is_over_the_bound() -> None:
 def test_router_spills_on_the_load_other_gateways_put_on_the_home() -> None:
     """The replica's own count (Ray Serve's queue-length cache, which every gateway's requests
     raise) counts even when this router sent nothing there."""
-    from ray.serve._private.request_router.common import ReplicaQueueLengthCache
-
     r, replicas, metrics = _router()
-    r._replica_queue_len_cache = ReplicaQueueLengthCache()
     home = asyncio.run(r.choose_replicas(replicas, _request("s")))[0][0]  # type: ignore[arg-type]
     assert r._in_flight.get(home.replica_id, 0) == 0
     r._replica_queue_len_cache.update(home.replica_id, 3)  # another gateway's three requests
