@@ -5,9 +5,11 @@
 false``, today's admission), then on; nothing else differs. One key per role is made with the
 public ``serve-app keys create``, by default with its per-key RPM, TPM and concurrency limits
 lifted (``--key-limits lifted``): otherwise local.yaml's batch key (300 RPM) and standard key
-(600 RPM) answer 429 long before the engine is loaded, and the queue is never reached. Closed-loop users (each sends one streaming chat request, reads it
-to the end, and sends the next; after a 429/503 it waits ``--backoff`` s) drive it from this
-process, prompts from ``loadtests/data``, ``max_tokens`` capped at ``--max-tokens``:
+(600 RPM) answer 429 long before the engine is loaded, and the queue is never reached. Closed-loop
+users (each sends one streaming chat request, reads it to the end, and sends the next; after a
+429/503 it waits ``--backoff`` s) drive it from ``--load-workers`` processes
+(``loadtests.bench.loadgen``), prompts from ``loadtests/data``, ``max_tokens`` capped at
+``--max-tokens``:
 
 (a) **Tiers under overload.** A mix of premium and batch users (``--premium-share`` of them
     premium). With the queue off, the users step up (``--search-users``, ``--search-duration`` s
@@ -32,24 +34,18 @@ stopped at the end, also on failure or Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
-import random
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-import orjson
-
 from loadtests.bench import procs
+from loadtests.bench.loadgen import LoadGen, Sample, Users
 from loadtests.bench.procs import require_loopback, say
 from loadtests.harness import stack as harness
 from loadtests.harness.stack import ROOT
@@ -57,7 +53,6 @@ from loadtests.prompts import Prompt, load_prompts
 from loadtests.sla import Objective, read_objectives
 
 MODEL = "tiny-chat"
-REQUEST_TIMEOUT_S = 120.0
 MODES = ("off", "on")
 MULTIPLES = (2, 4)
 
@@ -97,36 +92,6 @@ def fair_jain(goodput: Mapping[str, float], demand: Mapping[str, float]) -> floa
     """Jain's index of each key's goodput over its max-min fair share."""
     shares = fair_shares(goodput, demand)
     return jain([goodput[k] / shares[k] if shares[k] > 0 else 0.0 for k in goodput])
-
-
-@dataclass
-class Sample:
-    """One request as the client saw it."""
-
-    key: str
-    tier: str
-    start: float
-    end: float
-    status: int  # 0: no answer (timeout, connection error)
-    ttft_ms: float | None = None
-    tokens: int = 0
-    # The gateway's Server-Timing at the head (stage -> ms, ``total`` among them), and the client's
-    # own time to the head: where a slow first token waited.
-    stages: dict[str, float] = field(default_factory=dict)
-    head_ms: float | None = None
-
-
-def parse_server_timing(value: str) -> dict[str, float]:
-    """``front_door;dur=1.2, queue;dur=3.0`` -> {stage: ms}; malformed parts are skipped."""
-    out: dict[str, float] = {}
-    for part in value.split(","):
-        name, _, rest = part.strip().partition(";")
-        if name and rest.startswith("dur="):
-            try:
-                out[name] = float(rest[4:])
-            except ValueError:
-                continue
-    return out
 
 
 def tail_stages(samples: Sequence[Sample], q: float = 0.95) -> dict[str, float]:
@@ -190,87 +155,6 @@ def total_tok_s(samples: Sequence[Sample]) -> float:
     return round(sum(s.tokens for s in samples if s.status == 200) / span, 1) if span > 0 else 0.0
 
 
-# ---- the load ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Users:
-    """``count`` closed-loop users on one key."""
-
-    key: str
-    secret: str
-    tier: str
-    count: int
-
-
-async def stream_once(client: httpx.AsyncClient, url: str, u: Users, prompt: Prompt,
-                      max_tokens: int) -> Sample:
-    """One streaming chat request: its status, time to the first content token, output tokens."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt.text}],
-            "max_tokens": min(prompt.max_tokens, max_tokens), "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    s = Sample(u.key, u.tier, time.monotonic(), 0.0, 0)
-    try:
-        async with client.stream("POST", url, json=body,
-                                 headers={"Authorization": f"Bearer {u.secret}"}) as r:
-            s.status = r.status_code
-            s.head_ms = (time.perf_counter() - t0) * 1000
-            s.stages = parse_server_timing(r.headers.get("server-timing", ""))
-            if r.status_code == 200:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    event = orjson.loads(line[6:])
-                    if "error" in event:
-                        s.status = 0
-                        break
-                    if s.ttft_ms is None and any((c.get("delta") or {}).get("content")
-                                                 for c in event.get("choices") or []):
-                        s.ttft_ms = (time.perf_counter() - t0) * 1000
-                    usage = event.get("usage")
-                    if usage:
-                        s.tokens = int(usage.get("completion_tokens") or 0)
-            else:
-                await r.aread()
-    except (httpx.HTTPError, TimeoutError):
-        s.status = 0
-    s.end = time.monotonic()
-    return s
-
-
-async def run_load(base_url: str, groups: Sequence[Users], duration_s: float, prompts: Sequence[Prompt],
-                   max_tokens: int, backoff_s: float, seed: int = 0) -> list[Sample]:
-    """Every user of ``groups`` in a closed loop for ``duration_s``; the requests still running
-    then are read to their end (bounded) and counted."""
-    url = f"{base_url}/chat/completions"
-    samples: list[Sample] = []
-    n = sum(g.count for g in groups)
-    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
-    stop_at = time.monotonic() + duration_s
-
-    async def user(u: Users, i: int) -> None:
-        rng = random.Random(seed * 7919 + i)
-        while time.monotonic() < stop_at:
-            t = time.monotonic()
-            try:
-                s = await asyncio.wait_for(stream_once(client, url, u, rng.choice(prompts), max_tokens),
-                                           REQUEST_TIMEOUT_S + 5)
-            except TimeoutError:
-                s = Sample(u.key, u.tier, t, time.monotonic(), 0)
-            samples.append(s)
-            if s.status != 200:
-                await asyncio.sleep(backoff_s)
-
-    async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S), limits=limits) as client:
-        tasks = []
-        i = 0
-        for g in groups:
-            for _ in range(g.count):
-                tasks.append(asyncio.create_task(user(g, i)))
-                i += 1
-        await asyncio.gather(*tasks, return_exceptions=True)
-    return samples
-
-
 # What --key-limits lifted sets on each bench key (``serve-app keys create`` overrides): the load is
 # meant to reach the engine and its queue, not to stop at one key's rate limits.
 LIFTED = {"rpm": 1_000_000, "tpm": 1_000_000_000, "max-concurrent": 4096}
@@ -314,13 +198,13 @@ def level(samples: list[Sample], objective_ms: Mapping[str, float], users: int) 
             "premium_tail_stages_ms": tail_stages([s for s in samples if s.tier == "premium"])}
 
 
-def search_base(base_url: str, keys: Mapping[str, str], ns: argparse.Namespace,
+def search_base(gen: LoadGen, base_url: str, keys: Mapping[str, str], ns: argparse.Namespace,
                 prompts: Sequence[Prompt], objective_ms: Mapping[str, float]) -> tuple[int, list[dict[str, Any]]]:
     """The first users level whose premium TTFT p95 misses its objective (queue off)."""
     steps = []
     for users in ns.search_users:
-        samples = asyncio.run(run_load(base_url, mix(users, ns.premium_share, keys), ns.search_duration,
-                                       prompts, ns.max_tokens, ns.backoff, seed=users))
+        samples = gen.run(base_url, MODEL, mix(users, ns.premium_share, keys), ns.search_duration,
+                          prompts, ns.max_tokens, ns.backoff, seed=users)
         lv = level(samples, objective_ms, users)
         steps.append(lv)
         p95 = lv["tiers"].get("premium", {}).get("ttft_p95_ms")
@@ -330,7 +214,7 @@ def search_base(base_url: str, keys: Mapping[str, str], ns: argparse.Namespace,
     return ns.search_users[-1], steps
 
 
-def run_mode(mode: str, ns: argparse.Namespace, config: Path, workdir: Path, prompts: list[Prompt],
+def run_mode(gen: LoadGen, mode: str, ns: argparse.Namespace, config: Path, workdir: Path, prompts: list[Prompt],
              objective_ms: Mapping[str, float], base_users: int | None) -> dict[str, Any]:
     """One stack with the queue ``mode`` (off/on): the search (off, unless given), 2L and 4L, and
     the fairness pair."""
@@ -344,27 +228,27 @@ def run_mode(mode: str, ns: argparse.Namespace, config: Path, workdir: Path, pro
     out: dict[str, Any] = {"mode": mode}
     try:
         require_loopback(stack.base_url)
-        asyncio.run(run_load(stack.base_url, mix(4, 0.5, keys), ns.warmup, prompts, ns.max_tokens,
-                             ns.backoff))  # engines warm, series made
+        gen.run(stack.base_url, MODEL, mix(4, 0.5, keys), ns.warmup, prompts, ns.max_tokens,
+                ns.backoff)  # engines warm, series made
         if base_users is None:
-            base_users, out["search"] = search_base(stack.base_url, keys, ns, prompts, objective_ms)
+            base_users, out["search"] = search_base(gen, stack.base_url, keys, ns, prompts, objective_ms)
         out["base_users"] = base_users
         out["levels"] = {}
         for m in MULTIPLES:
             users = m * base_users
             say(f"[{mode}] {m}x: {users} users for {ns.duration:g} s")
-            samples = asyncio.run(run_load(stack.base_url, mix(users, ns.premium_share, keys),
-                                           ns.duration, prompts, ns.max_tokens, ns.backoff, seed=m))
+            samples = gen.run(stack.base_url, MODEL, mix(users, ns.premium_share, keys),
+                              ns.duration, prompts, ns.max_tokens, ns.backoff, seed=m)
             out["levels"][str(m)] = level(samples, objective_ms, users)
             say(f"[{mode}] {m}x: {out['levels'][str(m)]}")
         quiet = Users("quiet", keys["quiet"], ns.fair_tier, ns.quiet)
         noisy = Users("noisy", keys["noisy"], ns.fair_tier, ns.noisy)
         say(f"[{mode}] fairness: quiet key alone at concurrency {ns.quiet}")
-        solo = asyncio.run(run_load(stack.base_url, [quiet], ns.duration, prompts, ns.max_tokens,
-                                    ns.backoff, seed=1))
+        solo = gen.run(stack.base_url, MODEL, [quiet], ns.duration, prompts, ns.max_tokens,
+                       ns.backoff, seed=1)
         say(f"[{mode}] fairness: quiet ({ns.quiet}) beside noisy ({ns.noisy})")
-        both = asyncio.run(run_load(stack.base_url, [quiet, noisy], ns.duration, prompts,
-                                    ns.max_tokens, ns.backoff, seed=2))
+        both = gen.run(stack.base_url, MODEL, [quiet, noisy], ns.duration, prompts,
+                       ns.max_tokens, ns.backoff, seed=2)
         out["fairness"] = fairness(solo, both, objective_ms)
         say(f"[{mode}] fairness: {out['fairness']}")
     finally:
@@ -401,7 +285,8 @@ def markdown(doc: Mapping[str, Any]) -> str:
              f"{doc['duration_s']:g} s per level; the bench keys' own limits: "
              f"{doc.get('key_limits', 'tier')} (lifted: RPM, TPM and concurrency overridden, so the "
              "load reaches the engine; tier: the tiers' key_limits apply, and 429s count as "
-             "rejections). Shared 2-core machine (other sessions' work ran beside it): compare on "
+             f"rejections). Users spread over {doc.get('load_workers', 1)} load-generator "
+             "process(es). Shared 2-core machine (other sessions' work ran beside it): compare on "
              "and off within this run, not across runs.", "",
              "## (a) Tiers at 2x and 4x the load where premium first misses its objective", "",
              "| load | queue | premium TTFT p95 (obj {p}): client / front door | premium rejected "
@@ -530,6 +415,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--key-limits", choices=("lifted", "tier"), default="lifted",
                    help="lifted: the bench keys' RPM, TPM and concurrency limits are overridden "
                         "(the load reaches the engine); tier: each key keeps its tier's limits")
+    p.add_argument("--load-workers", type=int, default=4,
+                   help="processes the users are spread over (loadtests.bench.loadgen)")
     p.add_argument("--fair-tier", default="standard")
     p.add_argument("--noisy", type=int, default=32)
     p.add_argument("--quiet", type=int, default=2)
@@ -550,13 +437,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     modes: dict[str, Any] = {}
     base = ns.base_users
+    gen = LoadGen(ns.load_workers)
     try:
         for mode in MODES:
-            modes[mode] = run_mode(mode, ns, run.config, workdir, prompts, objective_ms, base)
+            modes[mode] = run_mode(gen, mode, ns, run.config, workdir, prompts, objective_ms, base)
             base = modes[mode]["base_users"]
     finally:
+        gen.close()
         doc = {"command": run.command, "timestamp": run.stamp, "config": str(ns.config),
-               "base_users": base, "premium_share": ns.premium_share, "max_tokens": ns.max_tokens,
+               "load_workers": ns.load_workers, "base_users": base, "premium_share": ns.premium_share, "max_tokens": ns.max_tokens,
                "duration_s": ns.duration, "noisy": ns.noisy, "quiet": ns.quiet,
                "fair_tier": ns.fair_tier, "key_limits": ns.key_limits,
                "objectives_ms": objective_ms, "modes": modes,

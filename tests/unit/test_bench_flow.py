@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from loadtests.bench import flow
-from loadtests.bench.flow import Sample
+from loadtests.bench import flow, loadgen
+from loadtests.bench.loadgen import Sample
 from loadtests.harness.stack import ROOT, copy_config, read_config
 
 
@@ -80,7 +80,7 @@ def test_bench_keys_have_their_limits_lifted_or_kept(tmp_path: Path) -> None:
 
 
 def test_server_timing_is_read_and_the_tail_shows_where_it_waited() -> None:
-    assert flow.parse_server_timing("front_door;dur=1.5, queue;dur=300.0, bad, x;y=1, total;dur=320") == {
+    assert loadgen.parse_server_timing("front_door;dur=1.5, queue;dur=300.0, bad, x;y=1, total;dur=320") == {
         "front_door": 1.5, "queue": 300.0, "total": 320.0}
     fast = [Sample("p", "premium", 0, 1, 200, ttft_ms=50, stages={"queue": 0.0, "total": 40.0}, head_ms=45)
             for _ in range(19)]
@@ -88,3 +88,61 @@ def test_server_timing_is_read_and_the_tail_shows_where_it_waited() -> None:
     tail = flow.tail_stages([*fast, slow])
     assert tail == {"queue": 700.0, "total": 800.0, "client_head": 880.0, "beyond_total": 80.0}
     assert flow.tail_stages([]) == {}
+
+
+def test_users_are_dealt_round_robin_so_each_worker_holds_every_group() -> None:
+    quiet = loadgen.Users("quiet", "sk-q", "standard", 2)
+    noisy = loadgen.Users("noisy", "sk-n", "standard", 5)
+    shares = loadgen.deal([quiet, noisy], 3)
+    assert [len(s) for s in shares] == [3, 2, 2]
+    assert sorted(i for s in shares for _, i in s) == list(range(7))  # every user once
+    assert {u.key for u, _ in shares[0]} == {"quiet", "noisy"}
+    assert len(loadgen.deal([quiet], 8)) == 2  # no empty workers
+
+
+def test_the_generator_reads_ttft_tokens_and_server_timing_from_a_stream() -> None:
+    """Two worker processes against a local SSE endpoint shaped like the gateway's."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    from loadtests.prompts import Prompt
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization") != "Bearer sk-ok":
+            return web.json_response({"error": {"message": "no"}}, status=401)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Server-Timing": "queue;dur=2.5, total;dur=7"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n')
+        await resp.write(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n')
+        await resp.write(b'data: {"choices":[],"usage":{"completion_tokens":3}}\n\ndata: [DONE]\n\n')
+        return resp
+
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        prompts = [Prompt(text="hello", max_tokens=8)]
+        users = [loadgen.Users("ok", "sk-ok", "premium", 2), loadgen.Users("bad", "sk-no", "batch", 1)]
+        with loadgen.LoadGen(2) as gen:
+            samples = gen.run(f"http://127.0.0.1:{port}/v1", "m", users, 1.0, prompts, 8, backoff_s=0.2)
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+    ok = [s for s in samples if s.key == "ok"]
+    bad = [s for s in samples if s.key == "bad"]
+    assert ok and all(s.status == 200 and s.tokens == 3 and s.ttft_ms is not None for s in ok)
+    assert ok[0].stages == {"queue": 2.5, "total": 7.0}
+    assert bad and all(s.status == 401 and s.ttft_ms is None for s in bad)
+    assert len(bad) <= 6  # it backed off 0.2 s after each refusal
