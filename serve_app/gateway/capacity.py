@@ -82,6 +82,14 @@ class Capacity:
         return (m.flow.max_inflight_per_replica or m.engine.max_num_seqs
                 or m.deployment.max_ongoing_requests)
 
+    def lower_slots(self, model_id: str) -> int:
+        """Of ``engine_slots``, the ones a request below the top tier may take: the engine's
+        ``admission.reserved_slots`` stay for the top tier (the replica's ``SlotGate`` keeps
+        them, so a lower-tier request the gateway sent past them would only wait there, ahead of
+        premium's requests still at the gateway)."""
+        m = self._models[model_id]
+        return max(1, self.engine_slots(model_id) - m.admission.reserved_slots)
+
     def refusal(self, model_id: str, tier_name: str, tier: TierConfig,
                 waiting: int = 0) -> errors.ServiceUnavailable | None:
         """Why a request of ``tier`` may not be held for the model now, or None. ``waiting``: the

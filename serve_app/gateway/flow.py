@@ -12,7 +12,10 @@ token.
   engine-side time to first token (its ``handle`` and ``engine`` stages) is compared with
   ``flow.target_share`` of the top tier's TTFT objective; over it, the bound is cut by a fifth (at
   most once per target interval, so one burst of slow answers is one cut); at or under it, while
-  requests wait, it grows by 1/bound (one slot per bound's worth of good answers). Only the top
+  requests wait, it grows by 1/bound (one slot per bound's worth of good answers). A top-tier
+  request that waited here for a slot longer than ``TOP_WAIT_CUT`` of its objective cuts it too:
+  the lower bands hold slots the top tier needed (without this, at 4x the base load premium
+  waited for batch streams to end and 10-14 of ~1,300 premium requests got 503). Only the top
   tier's slow answers cut: the bound is there to keep its objective, and the lower tiers' first
   tokens are slow by design under the engine's priority scheduling (a first run that counted every
   tier cut the bound far down, and premium then queued behind its own traffic); any tier's fast
@@ -24,6 +27,11 @@ token.
   Holding the top tier behind a bound cut for its own sake only turns engine time into gateway
   wait and 503s (the first benchmark at 4x the base load: 242 premium 503s, a third of the
   throughput, with the bound at its floor).
+- **The reserve is the top tier's.** The lower bands' ceiling leaves the engine's
+  ``admission.reserved_slots`` free (``Capacity.lower_slots``). Before, the lower bands could
+  fill every ``max_num_seqs`` slot: the replica's slot gate kept the reserve for a premium request
+  that the gateway was holding back at the ceiling, and premium waited for a batch stream to end
+  (14 premium 503s at 4x in docs/perf/flow-20261205-062007).
 - **Several gateway replicas.** Each replica queues its own requests and gets
   ``max(1, bound // gateway.num_replicas)`` of the bound, so together they never pass it (when
   the bound is at least the replica count); the cost is that one replica's waiters do not use
@@ -65,6 +73,9 @@ from serve_app.gateway.capacity import Capacity
 logger = logging.getLogger("ray.serve")
 
 DECREASE = 0.8  # the bound's cut when the engine's time to first token is over target
+# A top-tier request that waited at the gateway longer than this share of its TTFT objective cuts
+# the lower bands' bound, as a slow engine-side first token does.
+TOP_WAIT_CUT = 0.05
 
 
 class FlowSink(Protocol):
@@ -216,7 +227,7 @@ class Flow:
         self._models = {m.id: m for m in cfg.models}
         self._queues = {m.id: ModelQueue(m.flow.quantum_tokens) for m in cfg.models if m.flow.enabled}
         # The adaptive bound per running model replica, and when it was last cut.
-        self._per_replica = {m.id: float(capacity.engine_slots(m.id)) for m in cfg.models}
+        self._per_replica = {m.id: float(capacity.lower_slots(m.id)) for m in cfg.models}
         self._last_cut: dict[str, float] = defaultdict(lambda: -math.inf)
         self._target_s = min(t.objectives.ttft_p95_ms for t in cfg.tiers.values()
                              if t.priority == cfg.top_priority) / 1000
@@ -253,18 +264,32 @@ class Flow:
         m = self._models.get(model_id)
         if m is None or not self.enabled(model_id) or not m.flow.adaptive:
             return
-        target = m.flow.target_share * self._target_s
         cur = self._per_replica[model_id]
-        ceiling = self.capacity.engine_slots(model_id)
-        floor = min(m.flow.min_inflight_per_replica or max(1, ceiling // 4), ceiling)
-        now = self.clock()
-        if engine_ttft_s > target:
-            if band == self.cfg.top_priority and now - self._last_cut[model_id] >= target:
-                self._per_replica[model_id] = max(float(floor), cur * DECREASE)
-                self._last_cut[model_id] = now
+        if engine_ttft_s > m.flow.target_share * self._target_s:
+            if band == self.cfg.top_priority:
+                self._cut(model_id)
         elif len(self._queues[model_id]):
+            ceiling = self.capacity.lower_slots(model_id)
             self._per_replica[model_id] = min(float(ceiling), cur + 1.0 / cur)
-        if self.sink is not None and self._per_replica[model_id] != cur:
+            self._bound_moved(model_id, cur)
+
+    def _cut(self, model_id: str) -> None:
+        """Cut the lower bands' bound by a fifth, at most once per target interval (one burst of
+        slow answers is one cut), not below its floor."""
+        m = self._models[model_id]
+        target = m.flow.target_share * self._target_s
+        now = self.clock()
+        if now - self._last_cut[model_id] < target:
+            return
+        cur = self._per_replica[model_id]
+        ceiling = self.capacity.lower_slots(model_id)
+        floor = min(m.flow.min_inflight_per_replica or max(1, ceiling // 4), ceiling)
+        self._per_replica[model_id] = max(float(floor), cur * DECREASE)
+        self._last_cut[model_id] = now
+        self._bound_moved(model_id, cur)
+
+    def _bound_moved(self, model_id: str, was: float) -> None:
+        if self.sink is not None and self._per_replica[model_id] != was:
             self.sink.inflight_bound(model=model_id, bound=self.limit(model_id))
 
     # -- taking and giving back slots --------------------------------------------------------
@@ -371,9 +396,14 @@ class Flow:
         self._finish(w, "expired")
 
     def _finish(self, w: Waiter, state: str) -> None:
-        """``w`` leaves its queue: granted a slot, expired, or withdrawn."""
+        """``w`` leaves its queue: granted a slot, expired, or withdrawn. A top-tier request that
+        waited here for a slot means the lower bands hold slots it needed: the bound is cut."""
         w.state = state
         w.waited_s = max(0.0, self.clock() - w.enqueued)
+        if (w.band <= self.cfg.top_priority and state != "withdrawn"
+                and w.waited_s > TOP_WAIT_CUT * self._target_s
+                and self._models[w.model_id].flow.adaptive):
+            self._cut(w.model_id)
         if w.timer is not None:
             w.timer.cancel()
         if w.future is not None and not w.future.done():

@@ -29,7 +29,7 @@ DIGEST = "sha256:" + "0" * 64
 
 def _cfg(*, inflight: int = 2, gateway_replicas: int = 1, enabled: bool = True,
          batch_wait_s: float = 5.0, saturation: int | None = None, adaptive: bool = False,
-         engine_replicas: int = 1, **flow: Any) -> AppConfig:
+         engine_replicas: int = 1, reserved: int = 0, **flow: Any) -> AppConfig:
     return AppConfig.model_validate({
         "tiers": {
             "premium": {"priority": 0, "objectives": {"ttft_p95_ms": 1000}, "max_queue_wait_s": 5,
@@ -43,9 +43,9 @@ def _cfg(*, inflight: int = 2, gateway_replicas: int = 1, enabled: bool = True,
                     "redis_url": "redis://127.0.0.1:1/0" if gateway_replicas > 1 else None},
         "models": [{
             "id": "tiny", "source": "builtin:tiny-chat",
-            "engine": {"max_num_seqs": 64},
+            "engine": {"max_num_seqs": 64, "scheduling_policy": "priority"},
             "deployment": {"num_replicas": engine_replicas},
-            "admission": {"saturation_requests": saturation},
+            "admission": {"saturation_requests": saturation, "reserved_slots": reserved},
             "flow": {"enabled": enabled, "max_inflight_per_replica": inflight,
                      "min_inflight_per_replica": 1, "adaptive": adaptive, "quantum_tokens": 100,
                      **flow},
@@ -463,3 +463,48 @@ def test_the_bound_recovers_on_any_tiers_fast_answers_while_requests_wait() -> N
 
     run(go)
     assert flow.limit("tiny") == 20
+
+
+def test_the_lower_bands_leave_the_engines_reserved_slots_to_the_top_tier() -> None:
+    cfg = _cfg(inflight=8, reserved=3)
+    flow = _flow(cfg)
+    assert flow.limit("tiny") == 5 and flow.top_limit("tiny") == 8
+
+    async def go() -> tuple[list[bool], list[bool]]:
+        lower = [_reserve(flow, cfg, "batch", "b") for _ in range(6)]
+        top = [_reserve(flow, cfg, "premium", "p") for _ in range(3)]
+        return [w.granted for w in lower], [w.granted for w in top]
+
+    lower, top = run(go)
+    assert lower == [True] * 5 + [False]  # batch stops at 8 - 3
+    assert top == [True] * 3  # premium finds the reserve free at once
+
+
+def test_a_top_tier_request_that_waits_for_a_slot_cuts_the_lower_bands_bound() -> None:
+    now = [0.0]
+    cfg = _cfg(inflight=10, adaptive=True, min_inflight_per_replica=2)
+    flow = Flow(cfg, Capacity(cfg), clock=lambda: now[0])
+
+    async def go() -> list[bool]:
+        lower = [_reserve(flow, cfg, "batch", "b") for _ in range(10)]  # every slot taken
+        top = _reserve(flow, cfg, "premium", "p")
+        assert not top.granted
+        now[0] += 0.01  # a short wait (under TOP_WAIT_CUT of 1 s) cuts nothing
+        flow.release("tiny")
+        assert top.granted and flow.limit("tiny") == 10
+        late = _reserve(flow, cfg, "premium", "p")
+        now[0] += 0.2
+        flow.release("tiny")
+        return [late.granted, *(w.granted for w in lower)]
+
+    granted = run(go)
+    assert granted[0]
+    assert flow.limit("tiny") == 8  # cut by a fifth: batch gets fewer slots, premium more
+
+
+def test_a_tier_waits_three_objectives_by_default() -> None:
+    cfg = AppConfig.model_validate({"tiers": {"premium": {"priority": 0, "objectives": {"ttft_p95_ms": 1000}},
+                                              "batch": {"priority": 10, "max_queue_wait_s": 2.5}},
+                                    "default_tier": "premium", "models": [{"id": "m", "source": "builtin:tiny-chat"}]})
+    assert cfg.tiers["premium"].queue_wait_s == 3.0
+    assert cfg.tiers["batch"].queue_wait_s == 2.5
