@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,7 @@ def summarise(samples: Sequence[Sample], objective_ms: Mapping[str, float],
             "ok": len(ok),
             "rejected": sum(s.status in (429, 503) for s in mine),
             "rejected_503": sum(s.status == 503 for s in mine),
+            "refusals": dict(Counter(s.reason or "" for s in mine if s.status in (429, 503))),
             "failed": sum(s.status not in (200, 429, 503) for s in mine),
             "ttft_p50_ms": None if p50 is None else round(p50, 1),
             "ttft_p95_ms": None if p95 is None else round(p95, 1),
@@ -314,6 +316,13 @@ def markdown(doc: Mapping[str, Any]) -> str:
         for m, mode, t in tails:
             if t:
                 lines.append(f"- {m}x {mode}: " + ", ".join(f"{k} {v:,.0f}" for k, v in t.items()))
+    refusals = [(m, mode, tier, r) for m in MULTIPLES for mode in MODES for tier in ("premium", "batch")
+                for r in [modes.get(mode, {}).get("levels", {}).get(str(m), {}).get("tiers", {})
+                          .get(tier, {}).get("refusals")] if r]
+    if refusals:
+        lines += ["", "Why requests were refused (the error message up to its first number):", ""]
+        for m, mode, tier, r in refusals:
+            lines.append(f"- {m}x {mode}, {tier}: " + "; ".join(f"{n} x \"{why}\"" for why, n in r.items()))
     search = modes.get("off", {}).get("search")
     if search:
         lines += ["", "Search (queue off): " + ", ".join(

@@ -46,6 +46,7 @@ class Sample:
     # own time to the head: where a slow first token waited.
     stages: dict[str, float] = field(default_factory=dict)
     head_ms: float | None = None
+    reason: str | None = None  # a refusal's error message, cut at its first digit (no counts)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,17 @@ def parse_server_timing(value: str) -> dict[str, float]:
             except ValueError:
                 continue
     return out
+
+
+def refusal_reason(body: bytes) -> str:
+    """An error answer's message up to its first digit, so that refusals group by their kind
+    ("model 'tiny-chat' is busy: the request waited ", not the seconds that follow)."""
+    try:
+        message = str(orjson.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body[:60].decode("utf-8", "replace")
+    cut = next((i for i, ch in enumerate(message) if ch.isdigit()), len(message))
+    return message[:cut].strip()
 
 
 def deal(groups: Sequence[Users], workers: int) -> list[list[tuple[Users, int]]]:
@@ -121,7 +133,7 @@ async def stream_once(session: aiohttp.ClientSession, load: Load, u: Users, prom
                     if usage:
                         s.tokens = int(usage.get("completion_tokens") or 0)
             else:
-                await r.read()
+                s.reason = refusal_reason(await r.read())
     except (aiohttp.ClientError, TimeoutError, ValueError):
         s.status = 0
     s.end = time.monotonic()

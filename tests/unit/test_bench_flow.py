@@ -144,5 +144,11 @@ def test_the_generator_reads_ttft_tokens_and_server_timing_from_a_stream() -> No
     bad = [s for s in samples if s.key == "bad"]
     assert ok and all(s.status == 200 and s.tokens == 3 and s.ttft_ms is not None for s in ok)
     assert ok[0].stages == {"queue": 2.5, "total": 7.0}
-    assert bad and all(s.status == 401 and s.ttft_ms is None for s in bad)
+    assert bad and all(s.status == 401 and s.ttft_ms is None and s.reason == "no" for s in bad)
     assert len(bad) <= 6  # it backed off 0.2 s after each refusal
+
+
+def test_a_refusal_groups_by_its_message_without_the_numbers() -> None:
+    body = b'{"error": {"message": "model \'m\' is busy: the request waited 3 s at the gateway"}}'
+    assert loadgen.refusal_reason(body) == "model 'm' is busy: the request waited"
+    assert loadgen.refusal_reason(b"<html>bad gateway</html>") == "<html>bad gateway</html>"
