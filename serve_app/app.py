@@ -16,6 +16,7 @@ from ray.serve.deployment import Deployment
 from serve_app.config import AppConfig, ModelConfig, format_validation_error
 from serve_app.engine.autoscale import autoscaling_options, top_tier_objective_s
 from serve_app.engine.deployment import ModelServer
+from serve_app.engine.local import start as start_local_model
 from serve_app.engine.placement import actor_options, placement_bundles, placement_strategy
 from serve_app.engine.router import ROUTER_PATH
 from serve_app.gateway.deployment import Gateway
@@ -75,22 +76,45 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     # @serve.deployment turns the classes into Deployments; mypy still sees the classes.
     model_server = cast(Deployment, ModelServer)
     gateway = cast(Deployment, Gateway)
+    served = cfg.served_model
     handles = {
         m.id: model_server.options(**model_deployment_options(m, top_tier_objective_s(cfg))).bind(
             m.model_dump(mode="json"), cfg.cache_dir, cfg.top_priority
         )
-        for m in cfg.models
+        for m in cfg.models if m is not served
     }
+    # One `created` for the model cards of every gateway replica: when this app was built.
+    created = int(time.time())
+    if served is not None:
+        # The in-gateway path: the gateway replicas are the model's, placed like its replicas.
+        return gateway.options(**{**gateway_options(cfg), **served_model_options(served)}).bind(
+            cfg.model_dump(mode="json"), handles, created, start_local_model)
+    return gateway.options(**gateway_options(cfg)).bind(cfg.model_dump(mode="json"), handles, created)
+
+
+def gateway_options(cfg: AppConfig) -> dict[str, Any]:
     g = cfg.gateway
-    return gateway.options(
-        name=GATEWAY_DEPLOYMENT,
-        num_replicas=g.num_replicas,
-        max_ongoing_requests=g.max_ongoing_requests,
+    return {
+        "name": GATEWAY_DEPLOYMENT,
+        "num_replicas": g.num_replicas,
+        "max_ongoing_requests": g.max_ongoing_requests,
         # Ray Serve waits this long for the gateway's streams before it kills it: the drain's
         # bound plus a margin, so that no stream is cut mid-way (gateway/drain.py).
-        graceful_shutdown_timeout_s=g.drain_timeout_s + DRAIN_MARGIN_S,
-        max_surge_percent=g.max_surge_percent,
-        ray_actor_options={"num_cpus": g.num_cpus,
-                           **({"resources": dict(g.resources)} if g.resources else {})},
-    # One `created` for the model cards of every gateway replica: when this app was built.
-    ).bind(cfg.model_dump(mode="json"), handles, int(time.time()))
+        "graceful_shutdown_timeout_s": g.drain_timeout_s + DRAIN_MARGIN_S,
+        "max_surge_percent": g.max_surge_percent,
+        "ray_actor_options": {"num_cpus": g.num_cpus,
+                              **({"resources": dict(g.resources)} if g.resources else {})},
+    }
+
+
+def served_model_options(m: ModelConfig) -> dict[str, Any]:
+    """What a gateway that runs model ``m``'s engine takes from the model: its actor's resources
+    and environment, its placement group, and its health checks (which then check the engine)."""
+    d = m.deployment
+    return {
+        "ray_actor_options": actor_options(m),
+        "placement_group_bundles": placement_bundles(m),
+        "placement_group_strategy": placement_strategy(m),
+        "health_check_period_s": d.health_check_period_s,
+        "health_check_timeout_s": d.health_check_timeout_s,
+    }

@@ -595,6 +595,16 @@ class GatewayConfig(_Strict):
     num_replicas: PositiveInt = 1
     max_ongoing_requests: PositiveInt = 1024
     num_cpus: float = Field(default=0.5, ge=0)
+    serve_model: str | None = Field(
+        default=None,
+        description="Run this model's engine inside each gateway replica (the in-gateway path): "
+        "its tokens go from the engine to the client in one process, with no Ray Serve hop and "
+        "no relay (docs/PERFORMANCE.md). The gateway replicas then take the model's placement "
+        "and are its replicas: the model needs a fixed deployment.num_replicas equal to "
+        "gateway.num_replicas, and routing.affinity is not used for it (the front door balances "
+        "over the gateway replicas). Other models are called through their deployments as "
+        "before. None: every model is its own deployment.",
+    )
     resources: dict[str, PositiveFloat] = Field(
         default_factory=dict,
         description="Custom Ray resources each gateway replica needs, to place it on given nodes.",
@@ -742,6 +752,33 @@ class AppConfig(_Strict):
                 f"gateway.batch.tier ({tier!r}) is not one of tiers {sorted(self.tiers)}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _served_model_fits(self) -> AppConfig:
+        model_id = self.gateway.serve_model
+        if model_id is None:
+            return self
+        m = next((m for m in self.models if m.id == model_id), None)
+        if m is None:
+            raise ValueError(f"gateway.serve_model ({model_id!r}) is not one of the models "
+                             f"{sorted(x.id for x in self.models)}")
+        if m.deployment.autoscaling_config is not None:
+            raise ValueError(f"gateway.serve_model ({model_id!r}): the model served in the gateway "
+                             "needs a fixed deployment.num_replicas, not autoscaling_config")
+        if m.deployment.replicas != self.gateway.num_replicas:
+            raise ValueError(f"gateway.serve_model ({model_id!r}): the gateway replicas are the "
+                             f"model's, so deployment.num_replicas ({m.deployment.replicas}) must "
+                             f"equal gateway.num_replicas ({self.gateway.num_replicas})")
+        if m.routing.affinity == "on":
+            raise ValueError(f"gateway.serve_model ({model_id!r}): routing.affinity ('on') picks one "
+                             "of the model's deployment replicas, and a model served in the "
+                             "gateway has none; set it to 'auto' or 'off'")
+        return self
+
+    @property
+    def served_model(self) -> ModelConfig | None:
+        """The model whose engine runs in the gateway replicas (``gateway.serve_model``), if any."""
+        return self.model(self.gateway.serve_model) if self.gateway.serve_model else None
 
     @property
     def batch_tier(self) -> str:

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,10 +51,25 @@ NICENESS_EVERY_S = 5.0  # HAProxy is a new process after each reload; threads co
 class Gateway:
     """One unified OpenAI-compatible front door for every model deployment."""
 
-    def __init__(self, app_config: dict[str, Any], handles: dict[str, Any],
-                 created: int | None = None) -> None:
+    # Ray Serve awaits an async constructor; mypy knows only synchronous ones.
+    async def __init__(  # type: ignore[misc]
+        self, app_config: dict[str, Any], handles: dict[str, Any], created: int | None = None,
+        serve_here: Callable[[dict[str, Any], str, int], Awaitable[Any]] | None = None,
+    ) -> None:
+        """``serve_here`` (``engine.local.start``, passed by ``app.py`` when
+        ``gateway.serve_model`` is set) starts that model's engine in this process; the
+        forwarder then calls it like the other models' handles."""
         logflush.install()  # warnings and errors reach the replica log at once
         cfg = AppConfig.model_validate(app_config)
+        deployments = {m.id: m.deployment_name for m in cfg.models}
+        self.local: Any = None
+        served = cfg.served_model
+        if served is not None and serve_here is not None:
+            self.local = await serve_here(served.model_dump(mode="json"), cfg.cache_dir,
+                                          cfg.top_priority)
+            handles = {**handles, served.id: self.local}
+            # Its running replicas are this deployment's.
+            deployments[served.id] = serve.get_replica_context().deployment
         redis_url = cfg.gateway.redis_url
         backend = open_limits(cfg.gateway)
         store: UsageStore = RedisUsageStore(redis_url) if redis_url else MemoryUsageStore()
@@ -77,7 +92,7 @@ class Gateway:
         # by the running replicas, the outage guard asks whether a model has none, the drain
         # whether the app is being deleted.
         self.replicas = LiveReplicas(
-            serve_status_fetch({m.id: m.deployment_name for m in cfg.models}),
+            serve_status_fetch(deployments),
             cfg.gateway.replicas_refresh_s,
         )
         self.replicas.start()
@@ -179,6 +194,16 @@ class Gateway:
             "flow": self.admission.flow.snapshot(),
         }
 
+    async def check_health(self) -> None:
+        """Ray Serve's health check: with a model served here, its engine's (a dead engine
+        core fails it, and Ray Serve replaces the replica); otherwise always healthy."""
+        if self.local is not None:
+            await self.local.check_health()
+
+    async def served_model_stats(self) -> dict[str, Any] | None:
+        """The engine facts of the model served in this replica (``serve-app diagnose``)."""
+        return await self.local.stats() if self.local is not None else None
+
     async def batches(self, limit: int = 20) -> list[dict[str, Any]]:
         """The latest batches of every tenant, for operators (serve-app diagnose): status, counts,
         and which runner of this replica holds them."""
@@ -192,3 +217,6 @@ class Gateway:
         replicas = getattr(self, "replicas", None)  # absent if the constructor failed early
         if replicas is not None:
             replicas.stop()
+        local = getattr(self, "local", None)
+        if local is not None:
+            local.shutdown()

@@ -55,8 +55,8 @@ class Forwarder:
         self.cfg = cfg
         self.outage = outage if outage is not None else OutageGuard(cfg.unavailable_hold_s, None)
         self.drain = drain if drain is not None else Drain(cfg.drain_timeout_s, None)
-        # How the last call travelled: "grpc" (Ray Serve's throughput mode) or "object refs"
-        # (Ray's default). In the replica's diagnostics (serve-app diagnose); a test checks it.
+        # How the last call travelled: "grpc" (Ray Serve's throughput mode), "object refs"
+        # (Ray's default) or "in process" (gateway.serve_model). In the replica's diagnostics (serve-app diagnose); a test checks it.
         self.transport = "none yet"
 
     def unavailable(self, message: str) -> errors.ServiceUnavailable:
@@ -83,7 +83,8 @@ class Forwarder:
         if self.drain.draining:
             raise self.unavailable("the server is shutting down; retry shortly")
         gen = self._handles[model_id].handle.remote(endpoint.name, body, ctx.to_dict())
-        self.transport = "object refs" if getattr(gen, "by_reference", True) else "grpc"
+        self.transport = getattr(gen, "transport", None) or (
+            "object refs" if getattr(gen, "by_reference", True) else "grpc")
         first = await self._first(model_id, gen, start)
         if first["status"] == 503 and not first["stream"]:
             # The replica's engine died (engine/watchdog.py): nothing ran. A ServiceUnavailable

@@ -50,7 +50,11 @@ def _gateway_deps(app_config: dict[str, Any], handles: dict[str, Any]) -> Gatewa
         if getattr(vars(c).get("__init__"), "__qualname__", "") == "Gateway.__init__"
     )
     obj = object.__new__(own)
-    own.__init__(obj, app_config, handles)
+    # The constructor is async (it awaits a model served in the gateway, none here): without a
+    # served model it awaits nothing, so one step runs it to the end, inside a loop or not.
+    step = own.__init__(obj, app_config, handles)
+    with pytest.raises(StopIteration):
+        step.send(None)
     deps = obj.deps
     assert isinstance(deps, GatewayDeps)
     return deps
