@@ -205,7 +205,8 @@ def markdown(summary: dict[int, dict[str, Any]], rat: dict[int, dict[str, float]
     lines = [
         f"Medians over {meta['repeats']} repeat(s); `{meta['backend']}` backend (streaming "
         f"`{meta['endpoint']}`), random dataset, input {meta['input_len']} / output "
-        f"{meta['output_len']} tokens (`--ignore-eos`), seed {meta['seed']}, greedy.",
+        f"{meta['output_len']} tokens (`--ignore-eos`), seed {meta['seed']}, greedy. The stack's "
+        f"token path: **{meta.get('path', 'deployment')}** (`--path`).",
         "",
         "| Concurrency | Prompts | Side | " + " | ".join(t for _, t, _ in COLUMNS) + " |",
         "| ---: | ---: | --- | " + " | ".join("---:" for _ in COLUMNS) + " |",

@@ -69,6 +69,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=sorted(ENDPOINTS), default="openai-chat",
                    help="vLLM bench backend: streaming chat or text completions")
+    p.add_argument("--path", choices=PATHS, default="deployment",
+                   help="the stack's token path: deployment (each model its own Ray Serve "
+                        "deployment behind the gateway) or in-gateway (gateway.serve_model: the "
+                        "model's engine in the gateway replica)")
     p.add_argument("--gateway-url", help="use this running stack (e.g. http://127.0.0.1:8000/v1)")
     p.add_argument("--api-key", help="key for --gateway-url")
     p.add_argument("--ray-address", help="GCS address of the stack's Ray cluster, for the RSS "
@@ -237,6 +241,43 @@ def engine_args(config: Path, model_id: str) -> dict[str, Any]:
     return dict(json.loads(done.stdout))
 
 
+PATHS = ("deployment", "in-gateway")
+
+
+def stack_edit(top_priority: int, path: str, model_id: str) -> harness.EditArgs:
+    """The benchmark's edits of the stack's config: its unlimited tier, and with ``path``
+    in-gateway, the model served in the gateway replica (``gateway.serve_model``, one replica)."""
+    tier = unlimited_tier(top_priority)
+
+    def edit(args: dict[str, Any]) -> None:
+        tier(args)
+        if path == "in-gateway":
+            args.setdefault("gateway", {}).update(serve_model=model_id, num_replicas=1)
+            for m in args["models"]:
+                if m["id"] == model_id:
+                    m.setdefault("deployment", {})["num_replicas"] = 1
+
+    return edit
+
+
+def replica_rss(root: int | None) -> dict[str, int]:
+    """Peak RSS (VmHWM) of each Ray Serve replica process under ``root``: name -> bytes."""
+    out: dict[str, int] = {}
+    for pid in harness.descendants(root) if root else {}:
+        name = " ".join(harness.cmdline(pid)).strip()
+        if not name.startswith("ray::ServeReplica:"):
+            continue
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                label = name.removeprefix("ray::ServeReplica:").split()[0]
+                out[label] = max(out.get(label, 0), int(line.split()[1]) * 1024)
+    return out
+
+
 def unlimited_tier(top_priority: int) -> harness.EditArgs:
     """An edit of the stack's config: one more tier, without limits, for the benchmark's key.
 
@@ -276,7 +317,8 @@ def start_servers(ns: argparse.Namespace, config: Path, cfg: Any, model: Any, wo
         say(f"starting the stack; its key 'bench' has tier {BENCH_TIER} (no rate limits)")
         # Waits for the stack and fails fast if direct vLLM exits meanwhile.
         stack = harness.start_stack(config, workdir / "stack", keys={"bench": (BENCH_TIER, [model.id])},
-                                    edit=unlimited_tier(cfg.top_priority), timeout_s=ns.startup_timeout,
+                                    edit=stack_edit(cfg.top_priority, ns.path, model.id),
+                                    timeout_s=ns.startup_timeout,
                                     retries=1, watch=[direct], say=say)
         started.append(stack.proc)
         gw_root, key = stack.root_url, stack.keys["bench"]
@@ -483,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         if switch is not None:
             switch.resume_all()
         rss = gateway_rss(ray_address, workdir)
+        replicas_rss = replica_rss(sides["gateway"][2] if not ns.gateway_url else None)
         summary = report.medians(runs, ns.concurrencies, ns.sides)
         rat = report.ratios(summary)
         meta = {
@@ -493,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
             "output_len": ns.output_len, "seed": ns.seed, "smoke": ns.smoke,
             "num_prompts": {str(c): prompts_for(ns, c) for c in ns.concurrencies},
             "gateway": ("external " + sides["gateway"][0]) if ns.gateway_url else "started by the benchmark",
+            "path": ns.path,
             "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
             "wall_time_s": round(time.monotonic() - t_start, 1),
             "sides": list(ns.sides),
@@ -501,6 +545,9 @@ def main(argv: list[str] | None = None) -> int:
                           "settle_s_after_resume": switch.settle_s}),
         }
         table = report.markdown(summary, rat, rss, meta)
+        if replicas_rss:
+            table += ("- peak RSS per replica process (VmHWM): " + ", ".join(
+                f"`{k}` {v / 2**20:.0f} MiB" for k, v in sorted(replicas_rss.items())) + "\n")
         table += "\n" + report.fairness_markdown(runs, None if switch is None else switch.settle_s)
         if ns.peer_sides:
             table += peers_section(summary, ns, base, meta)
@@ -509,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             "summary": {str(c): v for c, v in summary.items()},
             "ratios": {str(c): v for c, v in rat.items()},
             "gateway_peak_rss_bytes": rss, "gateway_peak_rss_bytes_before_runs": rss_before,
+            "replica_peak_rss_bytes": replicas_rss,
             "runs": runs, "problems": problems, "warnings": warnings, "passed": not problems,
         }
         if ns.peer_sides:

@@ -207,3 +207,19 @@ def test_suspension_is_the_default_and_the_peers_venvs_can_come_from_elsewhere(t
     assert bench.roots_of(None) == [] and bench.roots_of(7) == [7] and bench.roots_of([4, 7]) == [4, 7]
     dirs = bench_peers.venv_dirs(tmp_path / "results", tmp_path / "shared")
     assert dirs["rayserve"] == tmp_path / "shared/rayserve-llm"
+
+
+def test_the_in_gateway_path_serves_the_model_in_the_gateway(tmp_path: Path) -> None:
+    """``--path in-gateway``: the stack's config, edited, is valid and puts tiny-chat in the gateway."""
+    from loadtests.harness.stack import ROOT, copy_config, read_config
+
+    cfg = read_config(copy_config(ROOT / "configs/local.yaml", tmp_path / "serve.yaml", port=1234,
+                                  keys_file=tmp_path / "keys.yaml",
+                                  edit=bench.stack_edit(0, "in-gateway", "tiny-chat")))
+    assert cfg.gateway.serve_model == "tiny-chat" and cfg.gateway.num_replicas == 1
+    assert bench.BENCH_TIER in cfg.tiers
+    plain = read_config(copy_config(ROOT / "configs/local.yaml", tmp_path / "plain.yaml", port=1234,
+                                    keys_file=tmp_path / "keys.yaml",
+                                    edit=bench.stack_edit(0, "deployment", "tiny-chat")))
+    assert plain.gateway.serve_model is None
+    assert bench.parse_args(["--path", "in-gateway"]).path == "in-gateway"
