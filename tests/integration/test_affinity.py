@@ -150,64 +150,58 @@ def test_sdk_session_turns_land_on_one_replica(two_replicas: Stack) -> None:
     assert decisions.get("new", 0) + decisions.get("affinity", 0) == turns
 
 
-def test_claude_code_turns_land_on_one_replica(two_replicas: Stack, tmp_path: Path) -> None:
-    if not (CLIENTS_BIN / "claude").exists():
-        pytest.skip("Claude Code is not installed: run `make clients`")
+def _agent_runs_land_on_one_replica(stack: Stack, tmp_path: Path, name: str, runs: list[list[str]],
+                                    env: dict[str, str], route: str) -> None:
+    """Run the agent once per argv of ``runs`` (one session: the later runs resume it) in a
+    network namespace that reaches only the stack; every generation (``POST route``) must land
+    on one model replica."""
+    port = httpx.URL(stack.base_url).port
+    assert port is not None
+    before = _counts(stack)
+    served = 0
+    for argv in runs:
+        proc, bridge = run_isolated(argv, port=port, workdir=tmp_path, env=env, timeout=600, stdin="")
+        print(f"\n[{name} {' '.join(argv[1:4])}] exit {proc.returncode}; requests {bridge.requests}; "
+              f"statuses {bridge.statuses}; stderr {proc.stderr[-800:]!r}")
+        assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+        served += sum(1 for r in bridge.requests if r.split("?")[0] == f"POST {route}")
+    per_replica = _settled(stack, before, served)
+    print(f"[{name}] {served} generations; per replica {json.dumps(per_replica)}")
+    assert served >= 2
+    assert len(per_replica) == 1, per_replica  # every run of the session on one replica
+
+
+def _need_agent(binary: str) -> None:
+    if not (CLIENTS_BIN / binary).exists():
+        pytest.skip(f"{binary} is not installed: run `make clients`")
     if not can_unshare():
         pytest.skip("cannot create a network namespace (needs root): the agent would reach the internet")
+
+
+def test_claude_code_turns_land_on_one_replica(two_replicas: Stack, tmp_path: Path) -> None:
+    _need_agent("claude")
     stack = two_replicas
-    secret = _key(stack, "agent-claude-affinity")
     home = tmp_path / "home"
     home.mkdir()
     env = {"PATH": f"{CLIENTS_BIN}:/usr/bin:/bin:/usr/sbin:/sbin",
-           **claude_env(stack.root_url, home, secret, MODEL)}
-    port = httpx.URL(stack.base_url).port
-    assert port is not None
+           **claude_env(stack.root_url, home, _key(stack, "agent-claude-affinity"), MODEL)}
     sid = str(uuid.uuid4())
-    before = _counts(stack)
-    served = 0
-    for args in (["--session-id", sid], ["--resume", sid]):
-        proc, bridge = run_isolated(
-            ["claude", "-p", "Say hello in one word.", "--model", MODEL, *args],
-            port=port, workdir=tmp_path, env=env, timeout=600, stdin="",
-        )
-        print(f"\n[claude {args[0]}] exit {proc.returncode}; requests {bridge.requests}; "
-              f"statuses {bridge.statuses}; stderr {proc.stderr[-800:]!r}")
-        assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
-        # Generations only (count_tokens runs no engine request): "POST /v1/messages?beta=true".
-        served += sum(1 for r in bridge.requests if r.split("?")[0] == "POST /v1/messages")
-    per_replica = _settled(stack, before, served)
-    print(f"[claude] {served} generations; per replica {json.dumps(per_replica)}")
-    assert served >= 2
-    assert len(per_replica) == 1, per_replica  # both runs (one session) on one replica
+    # Generations only (count_tokens runs no engine request): "POST /v1/messages?beta=true".
+    runs = [["claude", "-p", "Say hello in one word.", "--model", MODEL, *args]
+            for args in (["--session-id", sid], ["--resume", sid])]
+    _agent_runs_land_on_one_replica(stack, tmp_path, "claude", runs, env, "/v1/messages")
 
 
 def test_codex_turns_land_on_one_replica(two_replicas: Stack, tmp_path: Path) -> None:
-    if not (CLIENTS_BIN / "codex").exists():
-        pytest.skip("Codex is not installed: run `make clients`")
-    if not can_unshare():
-        pytest.skip("cannot create a network namespace (needs root): the agent would reach the internet")
+    _need_agent("codex")
     stack = two_replicas
-    secret = _key(stack, "agent-codex-affinity")
     codex_home = tmp_path / "codex-home"
     codex_home.mkdir()
     (codex_home / "config.toml").write_text(codex_config(stack.base_url, MODEL))
     home = tmp_path / "home"
     home.mkdir()
     env = {"PATH": f"{CLIENTS_BIN}:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home),
-           "CODEX_HOME": str(codex_home), "SERVE_APP_API_KEY": secret}
-    port = httpx.URL(stack.base_url).port
-    assert port is not None
-    before = _counts(stack)
-    served = 0
-    for argv in (["codex", "exec", "--skip-git-repo-check", "Say hello in one word."],
-                 ["codex", "exec", "--skip-git-repo-check", "resume", "--last", "Now say bye."]):
-        proc, bridge = run_isolated(argv, port=port, workdir=tmp_path, env=env, timeout=600, stdin="")
-        print(f"\n[{' '.join(argv[1:4])}] exit {proc.returncode}; requests {bridge.requests}; "
-              f"statuses {bridge.statuses}; stderr {proc.stderr[-800:]!r}")
-        assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
-        served += sum(1 for r in bridge.requests if r.split("?")[0] == "POST /v1/responses")
-    per_replica = _settled(stack, before, served)
-    print(f"[codex] {served} generations; per replica {json.dumps(per_replica)}")
-    assert served >= 2
-    assert len(per_replica) == 1, per_replica  # both runs (one session) on one replica
+           "CODEX_HOME": str(codex_home), "SERVE_APP_API_KEY": _key(stack, "agent-codex-affinity")}
+    runs = [["codex", "exec", "--skip-git-repo-check", "Say hello in one word."],
+            ["codex", "exec", "--skip-git-repo-check", "resume", "--last", "Now say bye."]]
+    _agent_runs_land_on_one_replica(stack, tmp_path, "codex", runs, env, "/v1/responses")
