@@ -1,4 +1,8 @@
-"""The gateway ingress deployment: builds its collaborators and serves ``api.build_api``."""
+"""The gateway ingress deployment: builds its collaborators and serves ``api.build_api``.
+
+With ``gateway.serve_model`` (the in-gateway path) it also starts that model's engine in its own
+process, through the starter ``app.py`` passes (``engine.local.start``: this package does not import
+the engine's), and calls it like the other models' deployment handles."""
 
 from __future__ import annotations
 
