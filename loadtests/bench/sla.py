@@ -130,6 +130,39 @@ def agrees(value_ms: float | None, reference_ms: float | None, rel: float = AGRE
     return abs(value_ms - reference_ms) <= max(rel * abs(reference_ms), floor_ms)
 
 
+def quantile_interval(values: Sequence[float], q: float,
+                      confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the ``q`` quantile of the population a sample
+    came from: order statistics ``[x(r), x(s)]`` with the number of samples below the quantile
+    ~ Binomial(n, q) (capped at the sample's min and max); None if empty. A small sample's p95 is
+    uncertain: 47 requests put it between the 42nd and the largest."""
+    if not values:
+        return None
+    xs = sorted(values)
+    n = len(xs)
+    alpha = (1.0 - confidence) / 2
+
+    def cdf(k: int) -> float:  # P(B <= k)
+        return sum(math.comb(n, i) * q**i * (1 - q) ** (n - i) for i in range(0, k + 1))
+
+    r = max((k for k in range(1, n + 1) if cdf(k - 1) <= alpha), default=1)  # P(B < r) <= alpha
+    s = min((k for k in range(1, n + 1) if 1.0 - cdf(k - 1) <= alpha), default=n)  # P(B >= s) <= alpha
+    return xs[r - 1], xs[s - 1]
+
+
+def agrees_with_sample(value_ms: float | None, sample_ms: Sequence[float], q: float = 0.95,
+                       rel: float = AGREE_REL, floor_ms: float = AGREE_FLOOR_MS) -> bool | None:
+    """Whether ``value_ms`` (a quantile measured over every request, e.g. Prometheus's) agrees with
+    a sample of the requests: within ``agrees``'s tolerance of the sample's confidence interval
+    for that quantile; None when either is missing."""
+    interval = quantile_interval(sample_ms, q)
+    if value_ms is None or interval is None:
+        return None
+    lo, hi = interval
+    return bool(agrees(value_ms, lo, rel, floor_ms) or agrees(value_ms, hi, rel, floor_ms)
+                or lo <= value_ms <= hi)
+
+
 def verdict(ttft_p95_ms: float | None, tpot_p95_ms: float | None, objective: Objective) -> str:
     """PASS / FAIL against a tier's objectives as locust judges them (TTFT and TPOT p95), or NO DATA."""
     if ttft_p95_ms is None or tpot_p95_ms is None:

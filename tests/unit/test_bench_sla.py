@@ -206,3 +206,16 @@ def test_schedule_is_open_loop_and_bounded() -> None:
     assert errors and all(isinstance(e, TimeoutError) for e in errors)
     assert len(errors) == len(started)
     assert waited < 0.5
+
+
+def test_a_small_samples_p95_is_an_interval_of_order_statistics() -> None:
+    assert sla.quantile_interval(list(range(1, 101)), 0.5) == (40, 61)  # the textbook interval for n = 100
+    assert sla.quantile_interval(list(range(1, 48)), 0.95) == (41, 47)  # 47 requests: 41st to the largest
+    assert sla.quantile_interval(list(range(1, 1001)), 0.95) == (936, 964)
+    assert sla.quantile_interval([], 0.95) is None
+    # CI's case: Prometheus (every request) 886 ms, the light client's 47 requests p95 680 ms with its
+    # largest near locust's p95: within the sample's interval, so they agree.
+    sample = [300.0] * 40 + [600.0, 650.0, 680.0, 700.0, 760.0, 820.0, 905.0]
+    assert sla.agrees_with_sample(886.0, sample)
+    assert not sla.agrees_with_sample(2000.0, sample)  # far past the sample's largest and the tolerance
+    assert not sla.agrees_with_sample(100.0, sample)
