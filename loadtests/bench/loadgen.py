@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from loadtests.bench.sla import parse_server_timing
 from loadtests.prompts import Prompt
 
 REQUEST_TIMEOUT_S = 120.0
@@ -70,19 +71,6 @@ class Load:
     backoff_s: float
     stop_at: float  # time.monotonic()
     seed: int
-
-
-def parse_server_timing(value: str) -> dict[str, float]:
-    """``front_door;dur=1.2, queue;dur=3.0`` -> {stage: ms}; malformed parts are skipped."""
-    out: dict[str, float] = {}
-    for part in value.split(","):
-        name, _, rest = part.strip().partition(";")
-        if name and rest.startswith("dur="):
-            try:
-                out[name] = float(rest[4:])
-            except ValueError:
-                continue
-    return out
 
 
 def refusal_reason(body: bytes) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from loadtests.bench import flow, loadgen
+from loadtests.bench import flow, loadgen, sla
 from loadtests.bench.loadgen import Sample
 from loadtests.harness.stack import ROOT, copy_config, read_config
 
@@ -80,7 +80,7 @@ def test_bench_keys_have_their_limits_lifted_or_kept(tmp_path: Path) -> None:
 
 
 def test_server_timing_is_read_and_the_tail_shows_where_it_waited() -> None:
-    assert loadgen.parse_server_timing("front_door;dur=1.5, queue;dur=300.0, bad, x;y=1, total;dur=320") == {
+    assert sla.parse_server_timing("front_door;dur=1.5, queue;dur=300.0, bad, x;y=1, total;dur=320") == {
         "front_door": 1.5, "queue": 300.0, "total": 320.0}
     fast = [Sample("p", "premium", 0, 1, 200, ttft_ms=50, stages={"queue": 0.0, "total": 40.0}, head_ms=45)
             for _ in range(19)]
