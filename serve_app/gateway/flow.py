@@ -19,7 +19,8 @@ token.
   tier's slow answers cut: the bound is there to keep its objective, and the lower tiers' first
   tokens are slow by design under the engine's priority scheduling (a first run that counted every
   tier cut the bound far down, and premium then queued behind its own traffic); any tier's fast
-  answer grows it, so it recovers while the top tier is quiet. The gateway's own wait
+  answer grows it, and once no top-tier request has come for ``TOP_QUIET_OBJECTIVES`` of its
+  objective it is back at its ceiling. The gateway's own wait
   is not part of the signal, or a cut would feed on itself.
 - **The top band is held only by the ceiling.** The adaptive bound keeps the lower bands out of
   the engine; the top tier's requests go in while the model's requests in flight are under the
@@ -76,6 +77,9 @@ DECREASE = 0.8  # the bound's cut when the engine's time to first token is over 
 # A top-tier request that waited at the gateway longer than this share of its TTFT objective cuts
 # the lower bands' bound, as a slow engine-side first token does.
 TOP_WAIT_CUT = 0.05
+# The cuts are for the top tier: once none of its requests has come for this many of its TTFT
+# objectives, the lower bands' bound is back at its ceiling.
+TOP_QUIET_OBJECTIVES = 5
 
 
 class FlowSink(Protocol):
@@ -229,6 +233,7 @@ class Flow:
         # The adaptive bound per running model replica, and when it was last cut.
         self._per_replica = {m.id: float(capacity.lower_slots(m.id)) for m in cfg.models}
         self._last_cut: dict[str, float] = defaultdict(lambda: -math.inf)
+        self._top_seen: dict[str, float] = defaultdict(lambda: -math.inf)
         self._target_s = min(t.objectives.ttft_p95_ms for t in cfg.tiers.values()
                              if t.priority == cfg.top_priority) / 1000
         self._depth: dict[tuple[str, str, str], int] = defaultdict(int)
@@ -246,6 +251,7 @@ class Flow:
 
     def limit(self, model_id: str) -> int:
         """Requests this gateway replica may have in flight on the model now."""
+        self._recover_if_top_quiet(model_id)
         running = max(1, self.capacity.running(model_id))
         total = max(1, math.floor(self._per_replica[model_id] * running))
         return max(1, total // self.cfg.gateway.num_replicas)
@@ -264,6 +270,8 @@ class Flow:
         m = self._models.get(model_id)
         if m is None or not self.enabled(model_id) or not m.flow.adaptive:
             return
+        if band <= self.cfg.top_priority:
+            self._top_seen[model_id] = self.clock()
         cur = self._per_replica[model_id]
         if engine_ttft_s > m.flow.target_share * self._target_s:
             if band == self.cfg.top_priority:
@@ -287,6 +295,16 @@ class Flow:
         self._per_replica[model_id] = max(float(floor), cur * DECREASE)
         self._last_cut[model_id] = now
         self._bound_moved(model_id, cur)
+
+    def _recover_if_top_quiet(self, model_id: str) -> None:
+        """A bound cut for the top tier's sake serves nobody once the top tier has gone quiet: back
+        to the ceiling (the flow bench's fairness phase, right after its 4x phase, ran on a bound
+        cut there that grew back by 1/bound per answer, 20-40 s)."""
+        ceiling = float(self.capacity.lower_slots(model_id))
+        cur = self._per_replica[model_id]
+        if cur < ceiling and self.clock() - self._top_seen[model_id] > TOP_QUIET_OBJECTIVES * self._target_s:
+            self._per_replica[model_id] = ceiling
+            self._bound_moved(model_id, cur)
 
     def _bound_moved(self, model_id: str, was: float) -> None:
         if self.sink is not None and self._per_replica[model_id] != was:
@@ -323,6 +341,9 @@ class Flow:
         takes the request, else the first refusal (raised). Synchronous: no burst passes a bound
         between the check and the count."""
         order = sorted(model_ids, key=lambda m: self.capacity.running(m) == 0)
+        if tier.priority <= self.cfg.top_priority:
+            for model_id in order:
+                self._top_seen[model_id] = self.clock()
         refusals = []
         for model_id in order:
             refusal = self._refusal(model_id, tier_name, tier)

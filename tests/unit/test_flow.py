@@ -508,3 +508,17 @@ def test_a_tier_waits_three_objectives_by_default() -> None:
                                     "default_tier": "premium", "models": [{"id": "m", "source": "builtin:tiny-chat"}]})
     assert cfg.tiers["premium"].queue_wait_s == 3.0
     assert cfg.tiers["batch"].queue_wait_s == 2.5
+
+
+def test_the_bound_is_back_at_its_ceiling_once_the_top_tier_is_quiet() -> None:
+    now = [0.0]
+    cfg = _cfg(inflight=20, adaptive=True, min_inflight_per_replica=4)
+    flow = Flow(cfg, Capacity(cfg), clock=lambda: now[0])
+    for _ in range(20):
+        now[0] += 1.0
+        flow.observe("tiny", 0, 2.0)  # premium's first tokens are slow: cut to the floor
+    assert flow.limit("tiny") == 4
+    now[0] += 4.9  # premium quiet for under 5 objectives (1 s each): the cut stands
+    assert flow.limit("tiny") == 4
+    now[0] += 0.2
+    assert flow.limit("tiny") == 20  # quiet for 5.1: back at the ceiling
