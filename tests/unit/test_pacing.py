@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,36 +24,73 @@ class Out:
     finished: bool
 
 
+class Collector:
+    """vLLM's RequestOutputCollector in small: ``put`` merges into the pending output while nobody
+    reads it; ``get`` takes it."""
+
+    def __init__(self) -> None:
+        self.output: Out | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, out: Out) -> None:
+        if self.output is None:
+            self.output = out
+            self.ready.set()
+        else:
+            self.output = Out(self.output.tokens + out.tokens, out.finished)
+
+    async def get(self) -> Out:
+        while self.output is None:
+            await self.ready.wait()
+        out, self.output = self.output, None
+        self.ready.clear()
+        return out
+
+
+@dataclass
+class Books:
+    """AsyncLLM's ``output_processor``: requests in flight by internal id, internal ids by external."""
+
+    external_req_ids: dict[str, list[str]] = field(default_factory=dict)
+    request_states: dict[str, SimpleNamespace] = field(default_factory=dict)
+
+
 @dataclass
 class FakeEngine:
-    """Produces one token per step; while nobody reads, new tokens merge into one pending output,
-    as vLLM's RequestOutputCollector does for DELTA streams."""
+    """Produces one token per step into the request's collector, as vLLM's output handler does
+    (a finished request leaves the books at once, as in vLLM's output processor)."""
 
     steps: int
     step_s: float
     errored: bool = False
     closed: list[str] = field(default_factory=list)
+    books: Books = field(default_factory=Books)
+    keeps_books: bool = True  # False: no ``output_processor`` for the pacer to find
+
+    @property
+    def output_processor(self) -> Books:
+        if not self.keeps_books:
+            raise AttributeError("output_processor")
+        return self.books
 
     async def generate(self, prompt: Any, params: Any, request_id: str, **_: Any) -> AsyncIterator[Out]:
-        pending: list[int] = []
-        done = False
-        ready = asyncio.Event()
+        q = Collector()
+        internal = f"{request_id}-0a1b"
+        self.books.external_req_ids[request_id] = [internal]
+        self.books.request_states[internal] = SimpleNamespace(queue=q)
 
         async def produce() -> None:
-            nonlocal done
             for i in range(self.steps):
                 await asyncio.sleep(self.step_s)
-                pending.append(i)
-                done = i == self.steps - 1
-                ready.set()
+                if i == self.steps - 1:
+                    del self.books.request_states[internal]
+                    del self.books.external_req_ids[request_id]
+                q.put(Out([i], i == self.steps - 1))
 
         task = asyncio.create_task(produce())
         try:
             while True:
-                await ready.wait()
-                ready.clear()
-                out = Out(tokens=pending[:], finished=done)
-                pending.clear()
+                out = await q.get()
                 yield out
                 if out.finished:
                     return
@@ -93,6 +131,42 @@ def test_the_stream_ends_at_once_after_the_final_output() -> None:
     outs, tail = asyncio.run(scenario())
     assert outs == [[0], [1, 2]]  # the first token at once, the rest merged in one interval
     assert tail < 0.25, f"the stream ended {tail:.2f} s after its final output"
+
+
+@pytest.mark.parametrize("books", [True, False])
+def test_the_final_output_is_not_held_for_the_rest_of_the_interval(books: bool) -> None:
+    """The pause ends when the request's last output reaches its collector (``EndWatch``), not at
+    the interval's end; an engine that keeps no books (``books`` False) is paced by the clock."""
+    engine = FakeEngine(steps=3, step_s=0.01, keeps_books=books)
+
+    async def scenario() -> tuple[list[list[int]], float]:
+        t0 = time.monotonic()
+        outs = [o.tokens async for o in PacedEngineClient(engine, 0.5).generate("p", STREAM, "r1")]
+        return outs, time.monotonic() - t0
+
+    outs, took = asyncio.run(scenario())
+    assert outs == [[0], [1, 2]]  # still merged: the early wake-up comes at the final step only
+    if books:
+        assert took < 0.25, f"the final output came {took:.2f} s after the start (interval 0.5 s)"
+    else:
+        assert took >= 0.45
+
+
+def test_the_books_read_are_vllms() -> None:
+    """The names ``collector_of`` and ``EndWatch`` use, checked against vLLM's own code (an upgrade
+    that moves them fails here, not as streams that end an interval late)."""
+    import inspect
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector, RequestState
+
+    init = inspect.getsource(OutputProcessor.__init__)
+    assert "self.external_req_ids" in init and "self.request_states" in init
+    assert "queue" in inspect.signature(RequestState.__init__).parameters
+    assert "self.output_processor = " in inspect.getsource(AsyncLLM.__init__)
+    q = RequestOutputCollector(RequestOutputKind.DELTA, "r")
+    assert q.output is None and callable(q.put)
+    q.put = q.put  # an instance attribute may replace it (no __slots__)
 
 
 @pytest.mark.parametrize(("params", "interval"), [(FINAL, 0.05), (STREAM, 0.0)])
