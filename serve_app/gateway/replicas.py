@@ -4,8 +4,11 @@ An autoscaled model runs between ``min_replicas`` and ``max_replicas``; a model 
 or that is being replaced may run fewer than its ``num_replicas``. Admission sizes each model's
 capacity and tier shedding by the replicas running now, the outage guard asks whether a model has
 none, and the drain asks whether the app is being deleted. All three read the snapshot that
-``LiveReplicas`` keeps: a daemon thread reads Ray Serve's public ``serve.status()`` every
-``gateway.replicas_refresh_s`` (the request path only reads attributes). Until the first answer,
+``LiveReplicas`` keeps: a daemon thread reads Ray Serve's instance details every
+``gateway.replicas_refresh_s`` (the request path only reads attributes), as the dict that the
+controller sends: ``serve.status()`` builds Ray's pydantic models from that dict, which pickles
+each deployment's request router class again, about 40 ms of this process's CPU (with the GIL)
+per read, every 2 s, beside the token path (py-spy, issue 27). Until the first answer,
 or while Ray Serve does not answer, a count is unknown (None) and admission falls back to the
 configured replicas.
 """
@@ -34,28 +37,35 @@ Fetch = Callable[[], Status]
 
 
 def serve_status_fetch(deployments: Mapping[str, str]) -> Fetch:
-    """A fetch that reads ``serve.status()`` for this replica's own application: RUNNING replicas
+    """A fetch that reads Ray Serve's details for this replica's own application: RUNNING replicas
     per model id (``deployments``: model id -> deployment name), and whether it is DELETING."""
 
     def fetch() -> Status:
         from ray import serve
+        from ray.serve.context import _get_global_client  # what serve.status() reads
 
-        app_name = serve.get_replica_context().app_name
-        app = serve.status().applications.get(app_name)
-        if app is None:
-            # Not listed (a controller that is recovering may answer with no applications): no
-            # news. A deletion shows as DELETING for as long as this replica lives (its drain).
+        client = _get_global_client(raise_if_no_controller_running=False)
+        if client is None:
             return Status()
-        running: dict[str, int] = {}
-        for model_id, name in deployments.items():
-            d = app.deployments.get(name)
-            if d is not None:
-                # ReplicaState is a str enum: its members are equal to (and hash as) their names.
-                running[model_id] = int(d.replica_states.get("RUNNING", 0))  # type: ignore[call-overload]
-        deleting = str(getattr(app.status, "value", app.status)) == "DELETING"
-        return Status(running, deleting)
+        return status_of(client.get_serve_details(), serve.get_replica_context().app_name, deployments)
 
     return fetch
+
+
+def status_of(details: Mapping[str, Any], app_name: str, deployments: Mapping[str, str]) -> Status:
+    """One application's status from the controller's instance details (``get_serve_details``:
+    the JSON-shaped dict behind ``serve.status()``)."""
+    app = (details.get("applications") or {}).get(app_name)
+    if app is None:
+        # Not listed (a controller that is recovering may answer with no applications): no news.
+        # A deletion shows as DELETING for as long as this replica lives (its drain).
+        return Status()
+    running: dict[str, int] = {}
+    for model_id, name in deployments.items():
+        d = (app.get("deployments") or {}).get(name)
+        if d is not None:
+            running[model_id] = sum(1 for r in d.get("replicas") or () if r.get("state") == "RUNNING")
+    return Status(running, app.get("status") == "DELETING")
 
 
 class LiveReplicas:

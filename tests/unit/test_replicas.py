@@ -15,7 +15,7 @@ from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord, load_app_config
 from serve_app.gateway.admission import Admission
 from serve_app.gateway.limits import MemoryBackend
-from serve_app.gateway.replicas import LiveReplicas, Status
+from serve_app.gateway.replicas import LiveReplicas, Status, status_of
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGEST = "sha256:" + "0" * 64
@@ -176,3 +176,28 @@ def test_gateway_modules_load_no_engine_code() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+def test_status_is_read_from_the_controllers_details_dict() -> None:
+    replicas = [{"replica_id": "a", "state": "RUNNING"}, {"replica_id": "b", "state": "STARTING"},
+                {"replica_id": "c", "state": "RUNNING"}]
+    details = {"applications": {"llm": {"status": "RUNNING", "deployments": {
+        "model-tiny-chat": {"status": "HEALTHY", "replicas": replicas},
+        "model-embed": {"status": "UPDATING", "replicas": []}}}}}
+    deployments = {"tiny-chat": "model-tiny-chat", "embed": "model-embed", "gone": "model-gone"}
+    assert status_of(details, "llm", deployments) == Status({"tiny-chat": 2, "embed": 0})
+    details["applications"]["llm"]["status"] = "DELETING"
+    assert status_of(details, "llm", deployments).deleting
+    assert status_of({"applications": {}}, "llm", deployments) == Status()  # no news
+    assert status_of({}, "llm", deployments) == Status()
+
+
+def test_the_details_keys_read_are_ray_serves() -> None:
+    """The names status_of reads, checked against Ray Serve's own schema (an upgrade that renames
+    one fails here, not as a gateway that sees no replicas)."""
+    from ray.serve._private.common import ReplicaState
+    from ray.serve.schema import ApplicationDetails, ApplicationStatus, DeploymentDetails, ReplicaDetails
+
+    assert {"status", "deployments"} <= set(ApplicationDetails.model_fields)
+    assert "replicas" in DeploymentDetails.model_fields and "state" in ReplicaDetails.model_fields
+    assert ReplicaState.RUNNING.value == "RUNNING" and ApplicationStatus.DELETING.value == "DELETING"
