@@ -239,6 +239,15 @@ def http_status(url: str, timeout_s: float = 5.0, headers: Mapping[str, str] | N
 
 
 # ---- config and keys --------------------------------------------------------------------------------
+def driver_env(ray_address: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a driver that an operator runs against a cluster (``serve-app
+    diagnose``): ``base`` (this process's) without Ray Serve's settings (their throughput mode
+    needs an event loop in a handle's caller), connected to ``ray_address`` with token auth."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("RAY_SERVE_")}
+    env.update(RAY_ADDRESS=ray_address, RAY_AUTH_MODE="token")
+    return env
+
+
 def read_config(path: Path) -> AppConfig:
     """The validated app config of a Ray Serve config file (its first application)."""
     return load_app_config(path)

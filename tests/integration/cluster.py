@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from loadtests.harness.stack import copy_config
+from loadtests.harness.stack import copy_config, driver_env
 from serve_app.config import APP_NAME
 from serve_app.gateway.keys import create_key
 from serve_app.local.ports import free_port
@@ -166,11 +166,9 @@ class RayCluster:
     def diagnose_raw(self) -> subprocess.CompletedProcess[str]:
         """``serve-app diagnose`` as an operator runs it: a driver connected to the cluster, in a
         plain environment (Ray Serve's throughput mode needs an event loop in a handle's caller)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
         return self.run([sys.executable, "-m", "serve_app.cli", "diagnose"], timeout_s=60,
-                        base_env=env, extra_env={"RAY_ADDRESS": f"{HOST}:{self.gcs_port}",
-                                                 "RAY_AUTH_MODE": "token",
-                                                 "PYTHONPATH": self.env["PYTHONPATH"]})
+                        base_env=driver_env(f"{HOST}:{self.gcs_port}"),
+                        extra_env={"PYTHONPATH": self.env["PYTHONPATH"]})
 
     def shutdown(self) -> None:
         self.run([str(BIN / "serve"), "shutdown", "-a", self.dashboard, "-y"], timeout_s=180)

@@ -7,6 +7,7 @@ a bounded queue) so that every error case can be reached quickly.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,21 +68,30 @@ def session_overrides(redis_url: str) -> Any:
     return edit
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Stack]:
-    """The real app (configs/local.yaml with session_overrides), started once per session by the
-    stack harness, with the keys in KEYS; its whole process tree is stopped at the end."""
-    workdir = tmp_path_factory.mktemp("stack")
+@contextlib.contextmanager
+def running_stack(workdir: Path, **kwargs: Any) -> Iterator[Stack]:
+    """configs/local.yaml started by the stack harness in ``workdir`` (``start_stack``'s keyword
+    arguments), a start that fails failing the test, and its whole process tree stopped at the end."""
     try:
-        running = start_stack(ROOT / "configs/local.yaml", workdir, keys=KEYS,
-                              edit=session_overrides(redis_url), timeout_s=START_TIMEOUT_S)
+        running = start_stack(ROOT / "configs/local.yaml", workdir, **kwargs)
     except StackError as exc:
         pytest.fail(str(exc))
     try:
         yield running
     finally:
-        _disconnect_ray()
         running.stop()
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Stack]:
+    """The real app (configs/local.yaml with session_overrides), started once per session by the
+    stack harness, with the keys in KEYS; its whole process tree is stopped at the end."""
+    with running_stack(tmp_path_factory.mktemp("stack"), keys=KEYS, edit=session_overrides(redis_url),
+                       timeout_s=START_TIMEOUT_S) as running:
+        try:
+            yield running
+        finally:
+            _disconnect_ray()
 
 
 _ray_connected = False

@@ -29,14 +29,14 @@ import httpx
 import openai
 import pytest
 
-from loadtests.harness.stack import Stack, StackError, descendants, start_stack
+from loadtests.harness.stack import Stack, descendants
 from serve_app.gateway.keys import create_key
 from tests.integration.agents import CLIENTS_BIN, can_unshare, run_isolated
+from tests.integration.conftest import running_stack
 from tests.integration.test_agents_real import claude_env, codex_config
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-chat"
 TIER = "affinity-test"
 SAMPLE = re.compile(r'^(ray_vllm_request_success_total|ray_serve_app_routing_decisions_total)'
@@ -59,15 +59,9 @@ def _edit(args: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def two_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    try:
-        running = start_stack(ROOT / "configs/local.yaml", tmp_path_factory.mktemp("affinity"),
-                              edit=_edit, timeout_s=900, retries=1)
-    except StackError as exc:
-        pytest.fail(str(exc))
-    try:
+    with running_stack(tmp_path_factory.mktemp("affinity"), edit=_edit, timeout_s=900,
+                       retries=1) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def _export_urls(stack: Stack) -> list[str]:

@@ -13,7 +13,6 @@ handle (tiny-chat has none on this path; ``test_the_path_is_in_process`` reads t
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -25,8 +24,8 @@ from typing import Any
 import openai
 import pytest
 
-from loadtests.harness.stack import Stack, StackError, start_stack
-from tests.integration.conftest import KEYS, START_TIMEOUT_S, session_overrides
+from loadtests.harness.stack import Stack, driver_env
+from tests.integration.conftest import KEYS, START_TIMEOUT_S, running_stack, session_overrides
 
 # The matrix: these tests run here against the in-gateway stack, and in their modules against the
 # session stack. (Their fixtures are imported too: pytest resolves a test's fixtures in the module
@@ -115,16 +114,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[
     """A stack like the session stack, with tiny-chat served in the gateway replica. Its own
     Redis database, so that its limits' counters never meet the session stack's (same key ids)."""
     own_db = re.sub(r"/\d+$", "", redis_url) + "/3"
-    try:
-        running = start_stack(ROOT / "configs/local.yaml", tmp_path_factory.mktemp("in-gateway"),
-                              keys=KEYS, edit=_in_gateway(own_db), timeout_s=START_TIMEOUT_S,
-                              retries=1)
-    except StackError as exc:
-        pytest.fail(str(exc))
-    try:
+    with running_stack(tmp_path_factory.mktemp("in-gateway"), keys=KEYS, edit=_in_gateway(own_db),
+                       timeout_s=START_TIMEOUT_S, retries=1) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def test_the_path_is_in_process(stack: Stack) -> None:
@@ -152,10 +144,7 @@ def test_the_path_is_in_process(stack: Stack) -> None:
 
 
 def _diagnose(stack: Stack) -> str:
-    """``serve-app diagnose`` as an operator runs it, against this stack's own Ray cluster (a
-    plain environment: Ray Serve's throughput mode needs an event loop in a handle's caller)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
-    env.update(RAY_ADDRESS=stack.ray_address() or "", RAY_AUTH_MODE="token")
+    """``serve-app diagnose`` as an operator runs it, against this stack's own Ray cluster."""
     done = subprocess.run([sys.executable, "-m", "serve_app.cli", "diagnose"], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT, env=env)
+                          text=True, timeout=120, cwd=ROOT, env=driver_env(stack.ray_address() or ""))
     return done.stdout + done.stderr
