@@ -44,10 +44,13 @@ def serve_status_fetch(deployments: Mapping[str, str]) -> Fetch:
         from ray import serve
         from ray.serve.context import _get_global_client  # what serve.status() reads
 
+        # The replica's context first: outside a replica it raises, before _get_global_client
+        # would start a Ray cluster of its own (ray.init) to look for a controller.
+        app_name = serve.get_replica_context().app_name
         client = _get_global_client(raise_if_no_controller_running=False)
         if client is None:
             return Status()
-        return status_of(client.get_serve_details(), serve.get_replica_context().app_name, deployments)
+        return status_of(client.get_serve_details(), app_name, deployments)
 
     return fetch
 

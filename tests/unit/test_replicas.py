@@ -11,11 +11,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord, load_app_config
 from serve_app.gateway.admission import Admission
 from serve_app.gateway.limits import MemoryBackend
-from serve_app.gateway.replicas import LiveReplicas, Status, status_of
+from serve_app.gateway.replicas import LiveReplicas, Status, serve_status_fetch, status_of
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGEST = "sha256:" + "0" * 64
@@ -201,3 +203,14 @@ def test_the_details_keys_read_are_ray_serves() -> None:
     assert {"status", "deployments"} <= set(ApplicationDetails.model_fields)
     assert "replicas" in DeploymentDetails.model_fields and "state" in ReplicaDetails.model_fields
     assert ReplicaState.RUNNING.value == "RUNNING" and ApplicationStatus.DELETING.value == "DELETING"
+
+
+def test_the_fetch_outside_a_replica_fails_without_starting_ray() -> None:
+    """Outside a Ray Serve replica (a unit test, a script) the fetch raises at once: asking for the
+    controller first would start a Ray cluster of its own (ray.init) on every refresh."""
+    import ray
+    from ray.serve.exceptions import RayServeException
+
+    with pytest.raises(RayServeException):
+        serve_status_fetch({"tiny-chat": "model-tiny-chat"})()
+    assert not ray.is_initialized()
