@@ -113,7 +113,9 @@ def test_stream_reads_at_most_once_per_interval_and_loses_nothing() -> None:
     assert got[-1][1].finished
     assert len(got) < 40 // 3  # several steps per output
     gaps = [b[0] - a[0] for a, b in zip(got, got[1:], strict=False)]
-    assert min(gaps) >= 0.045
+    # Every output but the final one waits out the interval; the final one ends the pause at once
+    # (EndWatch), so the last gap may be any length (CI: 2 ms when the end fell just after a read).
+    assert min(gaps[:-1]) >= 0.045
 
 
 def test_the_stream_ends_at_once_after_the_final_output() -> None:
