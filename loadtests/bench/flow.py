@@ -24,6 +24,11 @@ users (each sends one streaming chat request, reads it to the end, and sends the
     key's is the rest. 1.0 is a fair split, 0.5 one key with everything.
 (c) **Throughput.** Total output tokens/s of (a), queue on over queue off.
 
+``--repeats`` (3) runs both modes that many times, the order alternating (off, on; on, off; ...)
+so that neither mode always runs on the warmer or quieter machine; every figure in the report is
+the median of the repeats (the on/off ratio: the median of each repeat's own ratio), and each
+repeat's ratios are listed.
+
 TTFT is the client's own (from sending the request to the first content token); the machine is a
 shared 2-core one where this client, the gateway and the engine compete for the cores, so compare
 the two modes of one run, not absolute figures across runs. Results: ``results/bench/flow-<stamp>``
@@ -93,6 +98,32 @@ def fair_jain(goodput: Mapping[str, float], demand: Mapping[str, float]) -> floa
     """Jain's index of each key's goodput over its max-min fair share."""
     shares = fair_shares(goodput, demand)
     return jain([goodput[k] / shares[k] if shares[k] > 0 else 0.0 for k in goodput])
+
+
+def median_tree(trees: Sequence[Any]) -> Any:
+    """The repeats' results merged: each number the median of the repeats that have it (ints stay
+    ints), each mapping merged key by key, anything else the first repeat's."""
+    present = [t for t in trees if t is not None]
+    if not present:
+        return None
+    if all(isinstance(t, Mapping) for t in present):
+        keys = list(dict.fromkeys(k for t in present for k in t))
+        return {k: median_tree([t.get(k) for t in present]) for k in keys}
+    if all(isinstance(t, int | float) and not isinstance(t, bool) for t in present):
+        mid = statistics.median(present)
+        return round(mid) if all(isinstance(t, int) for t in present) else mid
+    return present[0]
+
+
+def ratios(runs: Sequence[Mapping[str, Any]], level_key: str) -> list[float]:
+    """Each repeat's own output tokens/s with the queue on over off, at one load level."""
+    out = []
+    for r in runs:
+        off = r["modes"].get("off", {}).get("levels", {}).get(level_key, {}).get("total_output_tok_s")
+        on = r["modes"].get("on", {}).get("levels", {}).get(level_key, {}).get("total_output_tok_s")
+        if on is not None and off:
+            out.append(on / off)
+    return out
 
 
 def tail_stages(samples: Sequence[Sample], q: float = 0.95) -> dict[str, float]:
@@ -289,7 +320,9 @@ def markdown(doc: Mapping[str, Any]) -> str:
              "load reaches the engine; tier: the tiers' key_limits apply, and 429s count as "
              f"rejections). Users spread over {doc.get('load_workers', 1)} load-generator "
              "process(es). Shared 2-core machine (other sessions' work ran beside it): compare on "
-             "and off within this run, not across runs.", "",
+             "and off within this run, not across runs. "
+             f"Every figure is the median of {doc.get('repeats', 1)} repeat(s) of both modes, the "
+             "order alternating.", "",
              "## (a) Tiers at 2x and 4x the load where premium first misses its objective", "",
              "| load | queue | premium TTFT p95 (obj {p}): client / front door | premium rejected "
              "| batch TTFT p95 (obj {b}): client / front door | batch rejected | output tok/s |".format(
@@ -348,7 +381,21 @@ def markdown(doc: Mapping[str, Any]) -> str:
         off = modes.get("off", {}).get("levels", {}).get(str(m), {}).get("total_output_tok_s")
         on = modes.get("on", {}).get("levels", {}).get(str(m), {}).get("total_output_tok_s")
         ratio = on / off if on is not None and off else None
+        each = ratios(doc.get("runs", []), str(m))
+        if each:
+            ratio = statistics.median(each)
         lines.append(f"| {m}x | {_v(off)} | {_v(on)} | {_v(ratio, '{:.2f}')} |")
+    runs = doc.get("runs", [])
+    if len(runs) > 1:
+        lines += ["", "Each repeat (order; on/off tokens/s at 2x, 4x; the quiet key's p95 vs solo "
+                  "off / on; Jain (fair share) off / on):", ""]
+        for i, r in enumerate(runs, 1):
+            fr = {mode: r["modes"].get(mode, {}).get("fairness") or {} for mode in MODES}
+            lines.append(
+                f"- {i}: {', '.join(r['order'])}; "
+                + ", ".join(_v(x, "{:.2f}") for m in MULTIPLES for x in ratios([r], str(m)))
+                + "; " + " / ".join(_v(fr[mode].get("quiet_ttft_vs_solo"), "{:.2f}") for mode in MODES)
+                + "; " + " / ".join(_v(fr[mode].get("jain_fair_share"), "{:.3f}") for mode in MODES))
     return "\n".join(lines) + "\n"
 
 
@@ -426,6 +473,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(the load reaches the engine); tier: each key keeps its tier's limits")
     p.add_argument("--load-workers", type=int, default=4,
                    help="processes the users are spread over (loadtests.bench.loadgen)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of both modes, the order alternating; the report gives medians")
     p.add_argument("--fair-tier", default="standard")
     p.add_argument("--noisy", type=int, default=32)
     p.add_argument("--quiet", type=int, default=2)
@@ -444,20 +493,27 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts()
     workdir = Path(tempfile.mkdtemp(prefix="serve-app-flow-"))
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    modes: dict[str, Any] = {}
+    runs: list[dict[str, Any]] = []
     base = ns.base_users
     gen = LoadGen(ns.load_workers)
     try:
-        for mode in MODES:
-            modes[mode] = run_mode(gen, mode, ns, run.config, workdir, prompts, objective_ms, base)
-            base = modes[mode]["base_users"]
+        for r in range(ns.repeats):
+            order = MODES if r % 2 == 0 else MODES[::-1]
+            runs.append({"order": list(order), "modes": {}})
+            for mode in order:
+                say(f"repeat {r + 1} of {ns.repeats}: queue {mode}")
+                got = run_mode(gen, mode, ns, run.config, workdir / f"r{r}", prompts, objective_ms, base)
+                runs[-1]["modes"][mode] = got
+                base = got["base_users"]
     finally:
         gen.close()
+        complete = [r for r in runs if len(r["modes"]) == len(MODES)] or runs
+        modes = median_tree([r["modes"] for r in complete]) or {}
         doc = {"command": run.command, "timestamp": run.stamp, "config": str(ns.config),
                "load_workers": ns.load_workers, "base_users": base, "premium_share": ns.premium_share, "max_tokens": ns.max_tokens,
                "duration_s": ns.duration, "noisy": ns.noisy, "quiet": ns.quiet,
                "fair_tier": ns.fair_tier, "key_limits": ns.key_limits,
-               "objectives_ms": objective_ms, "modes": modes,
+               "objectives_ms": objective_ms, "repeats": len(complete), "modes": modes, "runs": runs,
                "workdir": str(workdir)}
         if modes:
             procs.write_results(run.base, doc, markdown(doc))

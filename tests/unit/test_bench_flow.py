@@ -152,3 +152,28 @@ def test_a_refusal_groups_by_its_message_without_the_numbers() -> None:
     body = b'{"error": {"message": "model \'m\' is busy: the request waited 3 s at the gateway"}}'
     assert loadgen.refusal_reason(body) == "model 'm' is busy: the request waited"
     assert loadgen.refusal_reason(b"<html>bad gateway</html>") == "<html>bad gateway</html>"
+
+
+def test_repeats_are_merged_by_median_and_each_ratio_is_listed(tmp_path: Path) -> None:
+    runs = []
+    for off_tok, on_tok, order in ((1000.0, 900.0, ["off", "on"]), (1000.0, 1100.0, ["on", "off"]),
+                                   (800.0, 840.0, ["off", "on"])):
+        doc = _doc()
+        doc["modes"]["off"]["levels"] = {k: {**v, "total_output_tok_s": off_tok}
+                                         for k, v in doc["modes"]["off"]["levels"].items()}
+        doc["modes"]["on"]["levels"] = {k: {**v, "total_output_tok_s": on_tok}
+                                        for k, v in doc["modes"]["on"]["levels"].items()}
+        runs.append({"order": order, "modes": doc["modes"]})
+    merged = flow.median_tree([r["modes"] for r in runs])
+    assert merged["off"]["levels"]["2"]["total_output_tok_s"] == 1000.0
+    assert merged["on"]["levels"]["2"]["total_output_tok_s"] == 900.0
+    assert merged["on"]["levels"]["2"]["tiers"]["premium"]["requests"] == 50  # ints stay ints
+    assert flow.median_tree([{"a": 1}, {"a": 2}]) == {"a": 2}  # round(1.5): an int still
+    assert [round(x, 2) for x in flow.ratios(runs, "2")] == [0.9, 1.1, 1.05]
+    doc = {**_doc(), "modes": merged, "runs": runs, "repeats": 3}
+    md = flow.markdown(doc)
+    # The ratio is the median of each repeat's own (1.05), not median on / median off (0.90).
+    assert "| 2x | 1,000 | 900 | 1.05 |" in md
+    assert "- 2: on, off; 1.10, 1.10; 1.50 / 1.50; 0.980 / 0.980" in md
+    assert "median of 3 repeat(s)" in md
+    assert flow.plot(doc, tmp_path / "flow.png").stat().st_size > 1000
