@@ -82,6 +82,16 @@ class Capacity:
         return (m.flow.max_inflight_per_replica or m.engine.max_num_seqs
                 or m.deployment.max_ongoing_requests)
 
+    def ready_slots(self, model_id: str) -> int:
+        """Requests per model replica the flow queue sends past ``engine_slots`` to wait, ready, in
+        the replica's slot gate (``flow.ready_per_replica``, else an eighth of the slots), at most
+        what the replica takes beyond them (``max_ongoing_requests``): past that they would wait in
+        Ray Serve's router, not ready in the replica."""
+        m = self._models[model_id]
+        slots = self.engine_slots(model_id)
+        ready = slots // 8 if m.flow.ready_per_replica is None else m.flow.ready_per_replica
+        return max(0, min(ready, m.deployment.max_ongoing_requests - slots))
+
     def lower_slots(self, model_id: str) -> int:
         """Of ``engine_slots``, the ones a request below the top tier may take: the engine's
         ``admission.reserved_slots`` stay for the top tier (the replica's ``SlotGate`` keeps

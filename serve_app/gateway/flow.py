@@ -10,9 +10,11 @@ token.
   (``replicas.LiveReplicas``). With ``flow.adaptive`` the per-replica bound moves between
   ``flow.min_inflight_per_replica`` (default: a quarter of the ceiling) and that ceiling (AIMD): each finished top-tier request's
   engine-side time to first token (its ``handle`` and ``engine`` stages) is compared with
-  ``flow.target_share`` of the top tier's TTFT objective; over it, the bound is cut by a fifth (at
-  most once per target interval, so one burst of slow answers is one cut); at or under it, while
-  requests wait, it grows by 1/bound (one slot per bound's worth of good answers). A top-tier
+  ``flow.target_share`` of the top tier's TTFT objective; when more than ``TOP_SLOW_SHARE`` of
+  the top tier's last ``TOP_WINDOW`` answers were over it (its p95 is, as the objective is a p95),
+  the bound is cut by a fifth (at most once per target interval, so one burst of slow answers is
+  one cut); a fast answer, while requests wait, grows it by 1/bound (one slot per bound's worth
+  of good answers). A top-tier
   request that waited here for a slot longer than ``TOP_WAIT_CUT`` of its objective cuts it too:
   the lower bands hold slots the top tier needed (without this, at 4x the base load premium
   waited for batch streams to end and 10-14 of ~1,300 premium requests got 503). Only the top
@@ -33,6 +35,12 @@ token.
   fill every ``max_num_seqs`` slot: the replica's slot gate kept the reserve for a premium request
   that the gateway was holding back at the ceiling, and premium waited for a batch stream to end
   (14 premium 503s at 4x in docs/perf/flow-20261205-062007).
+- **Ready requests.** ``flow.ready_per_replica`` (default: an eighth of the engine's slots) more
+  requests per model replica than the ceiling may be in flight: they wait in the replica's slot gate (in priority order, the reserve kept),
+  tokenized, and take a freed engine slot at once. Without them a freed slot stays idle until the
+  gateway learns of the end and sends the next request through the whole path (the flow bench:
+  throughput with the queue 0.90-0.92x without it). A bound the adaptive control has cut gets none:
+  it is there to keep the engine's batch small.
 - **Several gateway replicas.** Each replica queues its own requests and gets
   ``max(1, bound // gateway.num_replicas)`` of the bound, so together they never pass it (when
   the bound is at least the replica count); the cost is that one replica's waiters do not use
@@ -80,6 +88,10 @@ TOP_WAIT_CUT = 0.05
 # The cuts are for the top tier: once none of its requests has come for this many of its TTFT
 # objectives, the lower bands' bound is back at its ceiling.
 TOP_QUIET_OBJECTIVES = 5
+# The objective is a p95: the bound is cut when more than this share of the top tier's last
+# TOP_WINDOW answers had a slow engine-side first token, not at each slow one.
+TOP_WINDOW = 20
+TOP_SLOW_SHARE = 0.05
 
 
 class FlowSink(Protocol):
@@ -234,6 +246,9 @@ class Flow:
         self._per_replica = {m.id: float(capacity.lower_slots(m.id)) for m in cfg.models}
         self._last_cut: dict[str, float] = defaultdict(lambda: -math.inf)
         self._top_seen: dict[str, float] = defaultdict(lambda: -math.inf)
+        # Whether each of the top tier's last TOP_WINDOW answers was slow (engine-side TTFT over
+        # target), per model; emptied at each cut, so the next cut needs answers after it.
+        self._top_slow: dict[str, deque[bool]] = defaultdict(lambda: deque(maxlen=TOP_WINDOW))
         self._target_s = min(t.objectives.ttft_p95_ms for t in cfg.tiers.values()
                              if t.priority == cfg.top_priority) / 1000
         self._depth: dict[tuple[str, str, str], int] = defaultdict(int)
@@ -253,30 +268,38 @@ class Flow:
         """Requests this gateway replica may have in flight on the model now."""
         self._recover_if_top_quiet(model_id)
         running = max(1, self.capacity.running(model_id))
-        total = max(1, math.floor(self._per_replica[model_id] * running))
+        per = self._per_replica[model_id]
+        if per >= self.capacity.lower_slots(model_id):
+            per += self.capacity.ready_slots(model_id)
+        total = max(1, math.floor(per * running))
         return max(1, total // self.cfg.gateway.num_replicas)
 
     def top_limit(self, model_id: str) -> int:
         """Requests this gateway replica may have in flight on the model when the next one is of
-        the top tier: the ceiling, never the adaptive bound."""
+        the top tier: the ceiling (and its ready requests), never the adaptive bound."""
         running = max(1, self.capacity.running(model_id))
-        total = self.capacity.engine_slots(model_id) * running
-        return max(1, total // self.cfg.gateway.num_replicas)
+        per = self.capacity.engine_slots(model_id) + self.capacity.ready_slots(model_id)
+        return max(1, per * running // self.cfg.gateway.num_replicas)
 
     def observe(self, model_id: str, band: int, engine_ttft_s: float) -> None:
         """One finished request's engine-side time to first token (``band``: its tier's
-        priority): a slow one of the top tier cuts the bound, a fast one of any tier grows it
-        while requests wait (so the bound recovers when the top tier is quiet)."""
+        priority). The top tier's p95 over target cuts the bound: more than ``TOP_SLOW_SHARE`` of
+        its last ``TOP_WINDOW`` answers slow (a cut at every slow answer ratcheted the bound down
+        to its floor at 2x the base load, where premium's p95 was a third of its objective, and
+        batch then waited at the gateway for up to 30 s). A fast answer of any tier grows the
+        bound while requests wait (so the bound recovers when the top tier is quiet)."""
         m = self._models.get(model_id)
         if m is None or not self.enabled(model_id) or not m.flow.adaptive:
             return
+        slow = engine_ttft_s > m.flow.target_share * self._target_s
         if band <= self.cfg.top_priority:
             self._top_seen[model_id] = self.clock()
-        cur = self._per_replica[model_id]
-        if engine_ttft_s > m.flow.target_share * self._target_s:
-            if band == self.cfg.top_priority:
+            window = self._top_slow[model_id]
+            window.append(slow)
+            if sum(window) > max(1.0, TOP_SLOW_SHARE * TOP_WINDOW):
                 self._cut(model_id)
-        elif len(self._queues[model_id]):
+        cur = self._per_replica[model_id]
+        if not slow and len(self._queues[model_id]):
             ceiling = self.capacity.lower_slots(model_id)
             self._per_replica[model_id] = min(float(ceiling), cur + 1.0 / cur)
             self._bound_moved(model_id, cur)
@@ -294,6 +317,7 @@ class Flow:
         floor = min(m.flow.min_inflight_per_replica or max(1, ceiling // 4), ceiling)
         self._per_replica[model_id] = max(float(floor), cur * DECREASE)
         self._last_cut[model_id] = now
+        self._top_slow[model_id].clear()
         self._bound_moved(model_id, cur)
 
     def _recover_if_top_quiet(self, model_id: str) -> None:

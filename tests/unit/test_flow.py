@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ def _cfg(*, inflight: int = 2, gateway_replicas: int = 1, enabled: bool = True,
             "engine": {"max_num_seqs": 64, "scheduling_policy": "priority"},
             "deployment": {"num_replicas": engine_replicas},
             "admission": {"saturation_requests": saturation, "reserved_slots": reserved},
-            "flow": {"enabled": enabled, "max_inflight_per_replica": inflight,
+            "flow": {"enabled": enabled, "max_inflight_per_replica": inflight, "ready_per_replica": 0,
                      "min_inflight_per_replica": 1, "adaptive": adaptive, "quantum_tokens": 100,
                      **flow},
         }],
@@ -261,13 +262,49 @@ def test_the_bound_follows_the_running_replicas() -> None:
     assert flow.limit("tiny") == 6
 
 
+def test_ready_requests_pass_the_ceilings_but_not_a_cut_bound() -> None:
+    """``ready_per_replica`` more in flight than each ceiling (they wait in the replica's slot gate,
+    ready for a freed slot), per running model replica; a bound the adaptive control cut gets none."""
+    now = [0.0]
+    cfg = _cfg(inflight=20, reserved=4, adaptive=True, min_inflight_per_replica=4,
+               ready_per_replica=3, engine_replicas=2)
+    flow = Flow(cfg, Capacity(cfg), clock=lambda: now[0])
+    assert flow.limit("tiny") == (16 + 3) * 2 and flow.top_limit("tiny") == (20 + 3) * 2
+
+    async def go() -> list[str]:
+        waiters = [_reserve(flow, cfg, "batch", "b") for _ in range(40)]
+        waiters += [_reserve(flow, cfg, "premium", "p") for _ in range(10)]
+        return [w.tier for w in waiters if w.granted]
+
+    granted = run(go)
+    assert granted.count("batch") == 38 and granted.count("premium") == 46 - 38
+    for _ in range(2):
+        flow.observe("tiny", 0, 2.0)  # the top tier's p95 is slow: the lower bound is cut
+    assert flow.limit("tiny") == math.floor(16 * 0.8 * 2)
+    assert flow.top_limit("tiny") == (20 + 3) * 2
+
+
+@pytest.mark.parametrize(("ready", "seqs", "ongoing", "expect"),
+                         [(None, 64, 128, 8), (None, 4, 64, 0), (5, 64, 128, 5), (8, 64, 66, 2)])
+def test_ready_requests_default_to_an_eighth_and_fit_the_replica(
+        ready: int | None, seqs: int, ongoing: int, expect: int) -> None:
+    cfg = AppConfig.model_validate({
+        "models": [{"id": "tiny", "source": "builtin:tiny-chat", "engine": {"max_num_seqs": seqs},
+                    "deployment": {"max_ongoing_requests": ongoing},
+                    "flow": {"enabled": True, "ready_per_replica": ready}}]})
+    assert Capacity(cfg).ready_slots("tiny") == expect
+
+
 def test_the_adaptive_bound_cuts_when_the_engine_is_slow_and_grows_while_requests_wait() -> None:
     now = [0.0]
     cfg = _cfg(inflight=20, adaptive=True, min_inflight_per_replica=4, target_share=0.5)
     flow = Flow(cfg, Capacity(cfg), clock=lambda: now[0])
     assert flow.limit("tiny") == 20
-    flow.observe("tiny", 0, 0.9)  # over 0.5 x 1 s: cut
+    flow.observe("tiny", 0, 0.9)  # over 0.5 x 1 s, but one answer is not the p95: no cut
+    assert flow.limit("tiny") == 20
+    flow.observe("tiny", 0, 0.9)  # two of the last answers (> 5 % of 20): cut
     assert flow.limit("tiny") == 16
+    flow.observe("tiny", 0, 0.9)
     flow.observe("tiny", 0, 0.9)  # the same burst (within one target interval): no second cut
     assert flow.limit("tiny") == 16
     for _ in range(20):
@@ -290,13 +327,29 @@ def test_the_adaptive_bound_cuts_when_the_engine_is_slow_and_grows_while_request
     assert 8 <= flow.limit("tiny") <= 20
 
 
+def test_the_bound_is_cut_on_the_top_tiers_p95_not_on_each_slow_answer() -> None:
+    """One slow answer in 20 leaves the bound (the objective is a p95); two cut it. A cut empties
+    the window, so the next one needs slow answers after it."""
+    now = [0.0]
+    cfg = _cfg(inflight=20, adaptive=True, min_inflight_per_replica=4)
+    flow = Flow(cfg, Capacity(cfg), clock=lambda: now[0])
+    for i in range(200):  # one slow answer in every 20: the p95 holds
+        now[0] += 0.1
+        flow.observe("tiny", 0, 2.0 if i % 20 == 0 else 0.1)
+    assert flow.limit("tiny") == 20
+    for i in range(40):  # one in every 10: it does not
+        now[0] += 0.1
+        flow.observe("tiny", 0, 2.0 if i % 10 == 0 else 0.1)
+    assert flow.limit("tiny") < 20
+
+
 def test_the_top_band_passes_a_cut_bound_up_to_the_ceiling() -> None:
     now = [0.0]
     cfg = _cfg(inflight=8, adaptive=True, min_inflight_per_replica=2, target_share=0.5)
 
     async def go() -> tuple[list[bool], list[bool], list[str]]:
         flow = Flow(cfg, Capacity(cfg), clock=lambda: now[0])
-        for _ in range(5):
+        for _ in range(20):
             now[0] += 1.0
             flow.observe("tiny", 0, 2.0)
         assert flow.limit("tiny") == 2 and flow.top_limit("tiny") == 8
@@ -328,7 +381,9 @@ def test_the_engines_ttft_reaches_the_bound_when_a_request_settles() -> None:
         await adm.settle(ticket, 10)
 
     run(go)
-    assert adm.flow.limit("tiny") == 16
+    assert adm.flow.limit("tiny") == 20  # one slow answer of the top tier is not its p95
+    run(go)
+    assert adm.flow.limit("tiny") == 16  # two of its last 20 are
 
 
 def test_queue_off_admits_as_before() -> None:
