@@ -24,10 +24,13 @@ users (each sends one streaming chat request, reads it to the end, and sends the
     key's is the rest. 1.0 is a fair split, 0.5 one key with everything.
 (c) **Throughput.** Total output tokens/s of (a), queue on over queue off.
 
-``--repeats`` (3) runs both modes that many times, the order alternating (off, on; on, off; ...)
-so that neither mode always runs on the warmer or quieter machine; every figure in the report is
-the median of the repeats (the on/off ratio: the median of each repeat's own ratio), and each
-repeat's ratios are listed.
+``--repeats`` (4) runs both modes that many times, the order alternating (off, on; on, off; ...);
+every figure in the report is the median of the repeats (the on/off ratio: the median of each
+repeat's own ratio), and each repeat's ratios are listed, with the median of the repeats where the
+queue ran first and of those where it ran second. The order may matter on this machine: in
+docs/perf/flow-20261205-134206 on/off was 1.07 (2x) and 1.01 (4x) in the repeat where the queue ran
+first and 0.88 and 0.85 where it ran second (in flow-20261205-132141 the order showed no such
+pattern), so an even count, each mode first as often, is the default.
 
 TTFT is the client's own (from sending the request to the first content token); the machine is a
 shared 2-core one where this client, the gateway and the engine compete for the cores, so compare
@@ -386,6 +389,12 @@ def markdown(doc: Mapping[str, Any]) -> str:
             ratio = statistics.median(each)
         lines.append(f"| {m}x | {_v(off)} | {_v(on)} | {_v(ratio, '{:.2f}')} |")
     runs = doc.get("runs", [])
+    for m in MULTIPLES:
+        first = [x for r in runs if r["order"][0] == "on" for x in ratios([r], str(m))]
+        second = [x for r in runs if r["order"][0] != "on" for x in ratios([r], str(m))]
+        if first and second:
+            lines.append(f"| {m}x, the queue's run first / second | | | "
+                         f"{statistics.median(first):.2f} / {statistics.median(second):.2f} |")
     if len(runs) > 1:
         lines += ["", "Each repeat (order; on/off tokens/s at 2x, 4x; the quiet key's p95 vs solo "
                   "off / on; Jain (fair share) off / on):", ""]
@@ -473,8 +482,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(the load reaches the engine); tier: each key keeps its tier's limits")
     p.add_argument("--load-workers", type=int, default=4,
                    help="processes the users are spread over (loadtests.bench.loadgen)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="runs of both modes, the order alternating; the report gives medians")
+    p.add_argument("--repeats", type=int, default=4,
+                   help="runs of both modes, the order alternating (even: each mode first as "
+                        "often); the report gives medians")
     p.add_argument("--fair-tier", default="standard")
     p.add_argument("--noisy", type=int, default=32)
     p.add_argument("--quiet", type=int, default=2)

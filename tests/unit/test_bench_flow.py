@@ -176,4 +176,6 @@ def test_repeats_are_merged_by_median_and_each_ratio_is_listed(tmp_path: Path) -
     assert "| 2x | 1,000 | 900 | 1.05 |" in md
     assert "- 2: on, off; 1.10, 1.10; 1.50 / 1.50; 0.980 / 0.980" in md
     assert "median of 3 repeat(s)" in md
+    # The queue's run first (repeat 2: 1.10) and second (repeats 1 and 3: 0.90, 1.05) apart.
+    assert "| 2x, the queue's run first / second | | | 1.10 / 0.9" in md
     assert flow.plot(doc, tmp_path / "flow.png").stat().st_size > 1000
