@@ -269,9 +269,8 @@ class FlowConfig(_Strict):
         "for the top tier, those less reserved_slots for the others) to wait in the replica's "
         "slot gate, tokenized and ready for the next free engine slot; None: an eighth of the "
         "engine's slots; 0: none. Without them a freed slot stays idle until the gateway learns "
-        "of the end and sends the next request through the whole path (flow bench: 0.90-0.92x "
-        "the throughput without the queue; with 8 of 64, 1.00-1.05x). Not added to a bound the "
-        "adaptive control has cut.",
+        "of the end and sends the next request through the whole path (docs/PERFORMANCE.md, the "
+        "flow queue). Not added to a bound the adaptive control has cut.",
     )
     adaptive: bool = Field(
         default=True,

@@ -36,11 +36,12 @@ token.
   that the gateway was holding back at the ceiling, and premium waited for a batch stream to end
   (14 premium 503s at 4x in docs/perf/flow-20261205-062007).
 - **Ready requests.** ``flow.ready_per_replica`` (default: an eighth of the engine's slots) more
-  requests per model replica than the ceiling may be in flight: they wait in the replica's slot gate (in priority order, the reserve kept),
-  tokenized, and take a freed engine slot at once. Without them a freed slot stays idle until the
-  gateway learns of the end and sends the next request through the whole path (the flow bench:
-  throughput with the queue 0.90-0.92x without it). A bound the adaptive control has cut gets none:
-  it is there to keep the engine's batch small.
+  requests per model replica than the ceiling may be in flight: they wait in the replica's slot
+  gate (in priority order, the reserve kept), tokenized, and take a freed engine slot at once.
+  Without them a freed slot stays idle until the gateway learns of the end and sends the next
+  request through the whole path (the flow bench before them: throughput with the queue 0.90-0.92x
+  without it). A bound the adaptive control has cut gets none: it is there to keep the engine's
+  batch small.
 - **Several gateway replicas.** Each replica queues its own requests and gets
   ``max(1, bound // gateway.num_replicas)`` of the bound, so together they never pass it (when
   the bound is at least the replica count); the cost is that one replica's waiters do not use
