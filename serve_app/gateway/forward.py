@@ -185,6 +185,7 @@ class Relay:
         self._final: Tokens | None = None
         # In flight from the head on: a graceful stop ends it cleanly (drain.py).
         self._stream: Stream = fwd.drain.track(gen.cancel)
+        self._books: asyncio.Future[None] | None = None  # the ledger's one close (``_close``)
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The SSE bytes for the client; the request's end is ``end``'s, not this generator's."""
@@ -203,6 +204,10 @@ class Relay:
                     return
                 if isinstance(item, dict):  # the trailer: accounting only, never relayed
                     self._final = item["tokens"]
+                    # The books are written before the answer's last events go out, so a client
+                    # that has its whole answer is counted even if this process dies right after
+                    # (a gateway SIGKILL lost the usage of streams that had just ended).
+                    await self._close()
                     continue
                 data, self._completion = item
                 yield data
@@ -230,9 +235,16 @@ class Relay:
         self._fwd.drain.done(self._stream)
         if not self.finished:
             self._gen.cancel()
-        tokens = self._final or tokens_of(self._prompt, self._completion)
-        await self._ledger.close(Outcome(200, tokens, ttft_s=self._ttft,
-                                         duration_s=self._ledger.clock.elapsed_s()))
+        await self._close()
+
+    async def _close(self) -> None:
+        """Close the request's books once: at the trailer (the engine's final counts), else at the
+        stream's end with the counts the last chunk told."""
+        if self._books is None:
+            tokens = self._final or tokens_of(self._prompt, self._completion)
+            self._books = asyncio.ensure_future(self._ledger.close(Outcome(
+                200, tokens, ttft_s=self._ttft, duration_s=self._ledger.clock.elapsed_s())))
+        await asyncio.shield(self._books)
 
 
 class LedgerStream(StreamingResponse):

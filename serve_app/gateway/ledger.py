@@ -6,7 +6,8 @@ the admission ticket (concurrency released, the token reservation settled agains
 real count) and records usage and metrics. The ledger also owns the request's one fallback.
 
 Who closes it: the pipeline when no answer came, the forwarder when it returns a complete answer,
-and ``forward.LedgerStream`` when a stream's response ends (however it ends).
+and a stream's ``forward.Relay`` at the engine's trailer (before the answer's last events go out)
+or, when none came, as the stream's response ends (however it ends).
 """
 
 from __future__ import annotations
