@@ -288,6 +288,24 @@ def test_finished_stream_is_charged_the_trailer_counts() -> None:
     assert [o.tokens for o in ledger.outcomes] == [tokens_of(3, 10)]
 
 
+def test_a_streams_books_are_written_before_its_last_events_go_out() -> None:
+    """The trailer comes before the bytes with the answer's last events (usage, [DONE]); the books
+    are closed there, so a gateway that dies once the client has its [DONE] has counted it; the
+    stream's end does not close them a second time."""
+    ledger = FakeLedger()
+    gen = FakeStream([head(200, b"data: 1\n\n", stream=True, tokens=tokens_of(3, 1)),
+                      (b"data: 2\n\n", 9), trailer(3, 10), (b"data: [DONE]\n\n", 10)])
+    fwd, _ = _forwarder(gen)
+
+    async def scenario() -> list[tuple[bytes, int]]:
+        resp = await _forward(fwd, ledger=ledger)
+        return [(c, len(ledger.outcomes)) async for c in resp.body_iterator]  # type: ignore[misc]
+
+    seen = _run(scenario())
+    assert seen == [(b"data: 1\n\n", 0), (b"data: 2\n\n", 0), (b"data: [DONE]\n\n", 1)]
+    assert [o.tokens for o in ledger.outcomes] == [tokens_of(3, 10)]
+
+
 def test_stream_cut_short_is_charged_the_engines_count_not_events() -> None:
     """Pacing merges several tokens into one event: the last chunk's count is what the engine made
     (here 12 tokens in 2 events), where counting events would charge 2."""
