@@ -383,10 +383,8 @@ def markdown(doc: Mapping[str, Any]) -> str:
     for m in MULTIPLES:
         off = modes.get("off", {}).get("levels", {}).get(str(m), {}).get("total_output_tok_s")
         on = modes.get("on", {}).get("levels", {}).get(str(m), {}).get("total_output_tok_s")
-        ratio = on / off if on is not None and off else None
         each = ratios(doc.get("runs", []), str(m))
-        if each:
-            ratio = statistics.median(each)
+        ratio = statistics.median(each) if each else (on / off if on is not None and off else None)
         lines.append(f"| {m}x | {_v(off)} | {_v(on)} | {_v(ratio, '{:.2f}')} |")
     runs = doc.get("runs", [])
     for m in MULTIPLES:
