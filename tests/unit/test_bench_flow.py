@@ -47,9 +47,13 @@ def _doc() -> dict[str, Any]:
     tiers = {"premium": {"ttft_p95_ms": 800.0, "rejected": 0, "requests": 50},
              "batch": {"ttft_p95_ms": 9000.0, "rejected": 4, "requests": 150}}
     lv = {"users": 24, "tiers": tiers, "total_output_tok_s": 900.0}
-    fair = {"solo": {"ttft_p95_ms": 200.0}, "keys": {"quiet": {"ttft_p95_ms": 300.0, "goodput_tok_s": 50.0},
-                                                     "noisy": {"goodput_tok_s": 800.0}},
-            "quiet_ttft_vs_solo": 1.5, "jain_fair_share": 0.98, "jain_raw": 0.56}
+    alone = {"ttft_p95_ms": 200.0, "front_door_ttft_p95_ms": 40.0}
+    keys = {"quiet": {"ttft_p95_ms": 300.0, "front_door_ttft_p95_ms": 100.0, "goodput_tok_s": 50.0},
+            "noisy": {"goodput_tok_s": 800.0}}
+    fair = {"solo": alone, "keys": keys,
+            "quiet_ttft_vs_solo": flow.quiet_vs_solo(alone, keys, "ttft_p95_ms"),
+            "quiet_door_ttft_vs_solo": flow.quiet_vs_solo(alone, keys, "front_door_ttft_p95_ms"),
+            "jain_fair_share": 0.98, "jain_raw": 0.56}
     mode = {"base_users": 12, "levels": {"2": lv, "4": lv}, "fairness": fair}
     return {"command": "python -m loadtests.bench.flow", "timestamp": "t", "config": "configs/local.yaml",
             "base_users": 12, "premium_share": 0.25, "max_tokens": 64, "duration_s": 60.0,
@@ -62,7 +66,7 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     doc = _doc()
     md = flow.markdown(doc)
     assert "| 2x (24 users) | on | 800 / – ms | 0 of 50 | 9,000 / – ms | 4 of 150 | 900 |" in md
-    assert "| on | 200 ms | 300 ms | 1.50 | 50 / 800 | 0.980 | 0.560 |" in md
+    assert "| on | 200 ms | 300 ms | 1.50 | 40 / 100 ms, 2.50 | 50 / 800 | 0.980 | 0.560 |" in md
     assert "| 4x | 900 | 900 | 1.00 |" in md
     assert flow.plot(doc, tmp_path / "flow.png").stat().st_size > 1000
 
@@ -174,8 +178,26 @@ def test_repeats_are_merged_by_median_and_each_ratio_is_listed(tmp_path: Path) -
     md = flow.markdown(doc)
     # The ratio is the median of each repeat's own (1.05), not median on / median off (0.90).
     assert "| 2x | 1,000 | 900 | 1.05 |" in md
-    assert "- 2: on, off; 1.10, 1.10; 1.50 / 1.50; 0.980 / 0.980" in md
+    assert "- 2: on, off; 1.10, 1.10; 1.50 / 1.50, 2.50 / 2.50; 0.980 / 0.980" in md
     assert "median of 3 repeat(s)" in md
     # The queue's run first (repeat 2: 1.10) and second (repeats 1 and 3: 0.90, 1.05) apart.
     assert "| 2x, the queue's run first / second | | | 1.10 / 0.9" in md
     assert flow.plot(doc, tmp_path / "flow.png").stat().st_size > 1000
+
+
+def test_render_writes_an_earlier_runs_report_again_with_the_figures_added_since(tmp_path: Path) -> None:
+    import json
+
+    doc = _doc()
+    mode = doc.pop("modes")["on"]
+    del mode["fairness"]["quiet_door_ttft_vs_solo"]  # a run written before the figure existed
+    doc["runs"] = [{"order": order, "modes": {"off": mode, "on": mode}}
+                   for order in (["off", "on"], ["on", "off"])]
+    path = tmp_path / "flow-t.json"
+    path.write_text(json.dumps(doc))
+    assert flow.main(["--render", str(path)]) == 0
+    md = (tmp_path / "flow-t.md").read_text()
+    assert "| on | 200 ms | 300 ms | 1.50 | 40 / 100 ms, 2.50 | 50 / 800 | 0.980 | 0.560 |" in md
+    assert "- 1: off, on; 1.00, 1.00; 1.50 / 1.50, 2.50 / 2.50; 0.980 / 0.980" in md
+    assert json.loads(path.read_text())["repeats"] == 2
+    assert (tmp_path / "flow-t.png").stat().st_size > 1000
