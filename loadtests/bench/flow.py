@@ -24,6 +24,9 @@ users (each sends one streaming chat request, reads it to the end, and sends the
     key's is the rest. 1.0 is a fair split, 0.5 one key with everything.
 (c) **Throughput.** Total output tokens/s of (a), queue on over queue off.
 
+``--aa`` runs the same with the queue off in both modes: its on/off ratios are the method's own
+noise on this machine, the yardstick for (c).
+
 ``--repeats`` (4) runs both modes that many times, the order alternating (off, on; on, off; ...);
 every figure in the report is the median of the repeats (the on/off ratio: the median of each
 repeat's own ratio), and each repeat's ratios are listed, with the median of the repeats where the
@@ -261,7 +264,7 @@ def run_mode(gen: LoadGen, mode: str, ns: argparse.Namespace, config: Path, work
     # The stack's keys file (start_stack's workdir/keys.yaml), made before it starts.
     keys = {kid: make_key(workdir / mode / "keys.yaml", kid, tier, ns.key_limits)
             for kid, tier in key_ids.items()}
-    stack = harness.start_stack(config, workdir / mode, edit=flow_edit(mode == "on"),
+    stack = harness.start_stack(config, workdir / mode, edit=flow_edit(mode == "on" and not ns.aa),
                                 retries=1, say=say)
     out: dict[str, Any] = {"mode": mode}
     try:
@@ -337,7 +340,9 @@ def markdown(doc: Mapping[str, Any]) -> str:
              "process(es). Shared 2-core machine (other sessions' work ran beside it): compare on "
              "and off within this run, not across runs. "
              f"Every figure is the median of {doc.get('repeats', 1)} repeat(s) of both modes, the "
-             "order alternating.", "",
+             "order alternating.", *(["", "**A/A run (`--aa`): the queue is off in both modes; "
+                                      "\"on\" is a second \"off\", and on/off is this method's "
+                                      "noise.**"] if doc.get("aa") else []), "",
              "## (a) Tiers at 2x and 4x the load where premium first misses its objective", "",
              "| load | queue | premium TTFT p95 (obj {p}): client / front door | premium rejected "
              "| batch TTFT p95 (obj {b}): client / front door | batch rejected | output tok/s |".format(
@@ -505,6 +510,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--noisy", type=int, default=32)
     p.add_argument("--quiet", type=int, default=2)
     p.add_argument("--results-dir", default=str(ROOT / "results" / "bench"))
+    p.add_argument("--aa", action="store_true",
+                   help="an A/A run: the queue off in both modes, so on/off measures the method's "
+                        "own noise (the order, the machine)")
     p.add_argument("--render", metavar="JSON", default=None,
                    help="run nothing: write the .md and .png of an earlier run's JSON again")
     return p.parse_args(argv)
@@ -540,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"command": run.command, "timestamp": run.stamp, "config": str(ns.config),
                "load_workers": ns.load_workers, "base_users": base, "premium_share": ns.premium_share, "max_tokens": ns.max_tokens,
                "duration_s": ns.duration, "noisy": ns.noisy, "quiet": ns.quiet,
-               "fair_tier": ns.fair_tier, "key_limits": ns.key_limits,
+               "fair_tier": ns.fair_tier, "key_limits": ns.key_limits, "aa": ns.aa,
                "objectives_ms": objective_ms, "runs": runs, "workdir": str(workdir)}
         report(doc, run.base)
     return 0

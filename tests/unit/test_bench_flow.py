@@ -68,6 +68,7 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     assert "| 2x (24 users) | on | 800 / – ms | 0 of 50 | 9,000 / – ms | 4 of 150 | 900 |" in md
     assert "| on | 200 ms | 300 ms | 1.50 | 40 / 100 ms, 2.50 | 50 / 800 | 0.980 | 0.560 |" in md
     assert "| 4x | 900 | 900 | 1.00 |" in md
+    assert "A/A run" not in md and "A/A run" in flow.markdown({**doc, "aa": True})
     assert flow.plot(doc, tmp_path / "flow.png").stat().st_size > 1000
 
 
