@@ -408,7 +408,7 @@ def markdown(doc: Mapping[str, Any]) -> str:
         each = ratios(doc.get("runs", []), str(m))
         ratio = statistics.median(each) if each else (on / off if on is not None and off else None)
         lines.append(f"| {m}x | {_v(off)} | {_v(on)} | {_v(ratio, '{:.2f}')} |")
-    runs = doc.get("runs", [])
+    runs = [r for r in doc.get("runs", []) if len(r["modes"]) == len(MODES)]  # a stopped run: its last is partial
     for m in MULTIPLES:
         first = [x for r in runs if r["order"][0] == "on" for x in ratios([r], str(m))]
         second = [x for r in runs if r["order"][0] != "on" for x in ratios([r], str(m))]

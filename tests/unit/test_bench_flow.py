@@ -194,11 +194,12 @@ def test_render_writes_an_earlier_runs_report_again_with_the_figures_added_since
     del mode["fairness"]["quiet_door_ttft_vs_solo"]  # a run written before the figure existed
     doc["runs"] = [{"order": order, "modes": {"off": mode, "on": mode}}
                    for order in (["off", "on"], ["on", "off"])]
+    doc["runs"].append({"order": ["off", "on"], "modes": {"off": mode}})  # stopped during its "on"
     path = tmp_path / "flow-t.json"
     path.write_text(json.dumps(doc))
     assert flow.main(["--render", str(path)]) == 0
     md = (tmp_path / "flow-t.md").read_text()
     assert "| on | 200 ms | 300 ms | 1.50 | 40 / 100 ms, 2.50 | 50 / 800 | 0.980 | 0.560 |" in md
     assert "- 1: off, on; 1.00, 1.00; 1.50 / 1.50, 2.50 / 2.50; 0.980 / 0.980" in md
-    assert json.loads(path.read_text())["repeats"] == 2
+    assert json.loads(path.read_text())["repeats"] == 2 and "- 3:" not in md
     assert (tmp_path / "flow-t.png").stat().st_size > 1000
