@@ -18,10 +18,11 @@ users (each sends one streaming chat request, reads it to the end, and sends the
     TTFT p95, rejections (429/503) and output tokens/s.
 (b) **Fairness.** Two keys of one tier (``--fair-tier``): a quiet one at concurrency ``--quiet``
     (2) alone (its solo baseline), then with a noisy one at ``--noisy`` (32). The quiet key's TTFT
-    p95 against its solo baseline (by the client's clock and by the front door's), and Jain's index of the two keys' goodput (output tokens/s of
-    answers within the tier's TTFT objective), each normalised by its max-min fair share (Jain
-    1984): the quiet key's share is the smaller of its solo goodput and half the total, the noisy
-    key's is the rest. 1.0 is a fair split, 0.5 one key with everything.
+    p95 against its solo baseline (by the client's clock and by the front door's), and Jain's
+    index of the two keys' goodput (output tokens/s of answers within the tier's TTFT objective),
+    each normalised by its max-min fair share (Jain 1984): the quiet key's share is the smaller of
+    its solo goodput and half the total, the noisy key's is the rest. 1.0 is a fair split, 0.5 one
+    key with everything.
 (c) **Throughput.** Total output tokens/s of (a), queue on over queue off.
 
 ``--aa`` runs the same with the queue off in both modes: its on/off ratios are the method's own
@@ -39,8 +40,8 @@ TTFT is the client's own (from sending the request to the first content token); 
 shared 2-core one where this client, the gateway and the engine compete for the cores, so compare
 the two modes of one run, not absolute figures across runs. Results: ``results/bench/flow-<stamp>``
 ``.json``, ``.md`` and ``.png`` (``--results-dir``); ``--render <json>`` writes an earlier run's
-``.md`` and ``.png`` again. Traffic goes to 127.0.0.1 only; each stack is
-stopped at the end, also on failure or Ctrl-C.
+``.md`` and ``.png`` again. Traffic goes to 127.0.0.1 only; each stack is stopped at the end, also
+on failure or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -408,7 +409,7 @@ def markdown(doc: Mapping[str, Any]) -> str:
         each = ratios(doc.get("runs", []), str(m))
         ratio = statistics.median(each) if each else (on / off if on is not None and off else None)
         lines.append(f"| {m}x | {_v(off)} | {_v(on)} | {_v(ratio, '{:.2f}')} |")
-    runs = [r for r in doc.get("runs", []) if len(r["modes"]) == len(MODES)]  # a stopped run: its last is partial
+    runs = [r for r in doc.get("runs", []) if len(r["modes"]) == len(MODES)]  # complete repeats
     for m in MULTIPLES:
         first = [x for r in runs if r["order"][0] == "on" for x in ratios([r], str(m))]
         second = [x for r in runs if r["order"][0] != "on" for x in ratios([r], str(m))]
