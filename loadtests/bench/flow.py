@@ -430,6 +430,13 @@ def markdown(doc: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mode_names(doc: Mapping[str, Any]) -> dict[str, str]:
+    """The modes' names in the chart: an A/A run's "on" is a second "off"."""
+    if doc.get("aa"):
+        return {"off": "queue off (A)", "on": "queue off (B)"}
+    return {m: f"queue {m}" for m in MODES}
+
+
 def plot(doc: Mapping[str, Any], out: Path) -> Path:
     """Three panels: premium and batch TTFT p95 per load (off/on), the quiet key's TTFT p95 (solo,
     beside noisy), output tokens/s per load."""
@@ -439,13 +446,14 @@ def plot(doc: Mapping[str, Any], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     modes = doc["modes"]
+    name = mode_names(doc)
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 4.2))
     labels = [f"{m}x" for m in MULTIPLES]
     width = 0.2
     for j, (mode, tier) in enumerate((("off", "premium"), ("on", "premium"), ("off", "batch"), ("on", "batch"))):
         ys = [modes.get(mode, {}).get("levels", {}).get(str(m), {}).get("tiers", {}).get(tier, {})
               .get("ttft_p95_ms") or 0 for m in MULTIPLES]
-        ax1.bar([i + (j - 1.5) * width for i in range(len(MULTIPLES))], ys, width, label=f"{tier}, queue {mode}")
+        ax1.bar([i + (j - 1.5) * width for i in range(len(MULTIPLES))], ys, width, label=f"{tier}, {name[mode]}")
     ax1.axhline(doc["objectives_ms"]["premium"], color="red", ls="--", lw=1, label="premium objective")
     ax1.set_yscale("log")
     ax1.set_xticks(range(len(MULTIPLES)), labels)
@@ -456,7 +464,7 @@ def plot(doc: Mapping[str, Any], out: Path) -> Path:
         f = modes.get(mode, {}).get("fairness") or {}
         ys = [f.get("solo", {}).get("ttft_p95_ms") or 0,
               f.get("keys", {}).get("quiet", {}).get("ttft_p95_ms") or 0]
-        ax2.bar([i + (j - 0.5) * 0.35 for i in range(2)], ys, 0.35, label=f"queue {mode} "
+        ax2.bar([i + (j - 0.5) * 0.35 for i in range(2)], ys, 0.35, label=f"{name[mode]} "
                 f"(Jain {_v(f.get('jain_fair_share'), '{:.2f}')})")
     ax2.set_xticks(range(2), ["quiet alone", "quiet beside noisy"])
     ax2.set_ylabel("quiet key's TTFT p95, ms")
@@ -465,14 +473,15 @@ def plot(doc: Mapping[str, Any], out: Path) -> Path:
     for j, mode in enumerate(MODES):
         ys = [modes.get(mode, {}).get("levels", {}).get(str(m), {}).get("total_output_tok_s") or 0
               for m in MULTIPLES]
-        ax3.bar([i + (j - 0.5) * 0.35 for i in range(len(MULTIPLES))], ys, 0.35, label=f"queue {mode}")
+        ax3.bar([i + (j - 0.5) * 0.35 for i in range(len(MULTIPLES))], ys, 0.35, label=name[mode])
     ax3.set_xticks(range(len(MULTIPLES)), labels)
     ax3.set_ylabel("output tokens/s")
     ax3.set_title("(c) throughput", fontsize=9)
     ax3.legend(fontsize=7)
     for ax in (ax1, ax2, ax3):
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"gateway flow queue on vs off ({doc['timestamp']}, shared 2-core machine)", fontsize=10)
+    what = "A/A run, the queue off in both modes" if doc.get("aa") else "gateway flow queue on vs off"
+    fig.suptitle(f"{what} ({doc['timestamp']}, shared 2-core machine)", fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

@@ -70,6 +70,10 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     assert "| 4x | 900 | 900 | 1.00 |" in md
     assert "A/A run" not in md and "A/A run" in flow.markdown({**doc, "aa": True})
     assert flow.plot(doc, tmp_path / "flow.png").stat().st_size > 1000
+    # An A/A run's chart does not call its second "off" the queue on.
+    assert flow.mode_names(doc) == {"off": "queue off", "on": "queue on"}
+    assert flow.mode_names({**doc, "aa": True}) == {"off": "queue off (A)", "on": "queue off (B)"}
+    assert flow.plot({**doc, "aa": True}, tmp_path / "aa.png").stat().st_size > 1000
 
 
 def test_bench_keys_have_their_limits_lifted_or_kept(tmp_path: Path) -> None:
