@@ -28,8 +28,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 
 def cmd_keys(ns: argparse.Namespace) -> int:
-    from serve_app.gateway.keys import KeysFileError
-    from serve_app.gateway.keystore import open_key_store
+    from serve_app.gateway.keys.keyfile import KeysFileError
+    from serve_app.gateway.keys.store import open_key_store
     from serve_app.ops import keys
 
     limits = {name: value for name in LIMIT_OPTIONS if (value := getattr(ns, name, None)) is not None}

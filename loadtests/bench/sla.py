@@ -63,7 +63,7 @@ TIERS = ("premium", "standard", "batch")  # the locustfile's user classes
 CLIENT_TIER = "premium"
 MODEL = "tiny-chat"
 LOCUSTFILE = ROOT / "loadtests" / "locustfile.py"
-# The gateway's stages in request order (serve_app.gateway.timing.STAGES, which loadtests may not
+# The gateway's stages in request order (serve_app.gateway.accounting.timing.STAGES, which loadtests may not
 # import); a stage Prometheus reports that is not listed here is shown after these.
 STAGE_ORDER = ("front_door", "parse_auth", "admission", "queue", "handle", "engine", "relay")
 # Agreement (issue 22): within 20 % of the reference or 100 ms, whichever is larger.

@@ -278,7 +278,7 @@ def copy_config(src: Path, dst: Path, *, port: int, keys_file: Path,
 
 def keys_create(keys_file: Path, key_id: str, tier: str, models: Sequence[str] = ("*",)) -> str:
     """A new key in ``keys_file``, made by the public ``serve-app keys create`` command (the one
-    implementation is serve_app.gateway.keys.create_key, which tests may call directly); returns
+    implementation is serve_app.gateway.keys.keyfile.create_key, which tests may call directly); returns
     its secret (the command's last line)."""
     argv = [*CLI, "keys", "create", "--keys-file", str(keys_file), "--id", key_id, "--tier", tier,
             "--models", ",".join(models)]

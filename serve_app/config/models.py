@@ -242,7 +242,7 @@ class AdmissionConfig(_Strict):
 
 
 class FlowConfig(_Strict):
-    """The gateway-side queue of one model (``serve_app.gateway.flow``): a request goes to the engine
+    """The gateway-side queue of one model (``serve_app.gateway.admission.flow``): a request goes to the engine
     only while the model's in-flight requests are under a bound that keeps the top tier's TTFT
     objective; otherwise it waits at the gateway, dequeued by tier band and fairly between tenants.
     Off by default: admission then behaves as without a queue (capacity and ``shed_at`` only)."""

@@ -4,7 +4,7 @@ vLLM's prefix cache lives in one replica. Ray Serve's default router (power of t
 one agent session's turns over the replicas, so with two or more replicas many turns miss the cache
 and pay the whole prefill again. ``AffinityRouter`` sends every request with the same affinity key
 (the gateway's ``RequestContext.affinity``: tenant plus session, or tenant plus a hash of the
-prompt's leading text; ``serve_app.gateway.affinity``) to the same replica:
+prompt's leading text; ``serve_app.gateway.routing.affinity``) to the same replica:
 
 - **Rendezvous hashing** ranks the replicas for a key by ``hash(key, replica id)``. It needs no
   shared state, so every gateway replica (each has its own router) ranks a key the same way, and

@@ -20,31 +20,31 @@ from ray import serve
 from ray.serve._private import constants as serve_constants
 
 from serve_app.config import AppConfig
-from serve_app.gateway.admission import Admission
-from serve_app.gateway.api import GatewayDeps, build_api
-from serve_app.gateway.audit import Audit
-from serve_app.gateway.budgets import open_budgets
-from serve_app.gateway.drain import Drain
-from serve_app.gateway.forward import Forwarder
-from serve_app.gateway.keystore import open_key_store
-from serve_app.gateway.limits import open_backend as open_limits
-from serve_app.gateway.outage import OutageGuard
-from serve_app.gateway.pipeline import Pipeline
-from serve_app.gateway.replicas import LiveReplicas, serve_status_fetch
-from serve_app.gateway.routing import Router
-from serve_app.gateway.usage import (
+from serve_app.gateway.accounting.audit import Audit
+from serve_app.gateway.accounting.usage import (
     MemoryUsageStore,
     RedisUsageStore,
     SqliteUsageStore,
     Usage,
     UsageStore,
 )
+from serve_app.gateway.admission.admission import Admission
+from serve_app.gateway.admission.budgets import open_budgets
+from serve_app.gateway.admission.drain import Drain
+from serve_app.gateway.admission.limits import open_backend as open_limits
+from serve_app.gateway.forward import Forwarder
+from serve_app.gateway.http.api import GatewayDeps, build_api
+from serve_app.gateway.keys.store import open_key_store
+from serve_app.gateway.outage import OutageGuard
+from serve_app.gateway.pipeline import Pipeline
+from serve_app.gateway.routing.replicas import LiveReplicas, serve_status_fetch
+from serve_app.gateway.routing.router import Router
 from serve_app.metrics import AuditMetrics, FlowMetrics, GatewayMetrics, ProcessMetrics, StageMetrics
 from serve_app.runtime import logflush, niceness
 from serve_app.runtime.procwatch import LoopWatch
 
 if TYPE_CHECKING:
-    from serve_app.gateway.otel import StageSpans
+    from serve_app.gateway.accounting.otel import StageSpans
 
 logger = logging.getLogger("ray.serve")
 NICENESS_EVERY_S = 5.0  # HAProxy is a new process after each reload; threads come and go
@@ -84,7 +84,7 @@ class Gateway:
         router = Router(cfg)
         self.spans: StageSpans | None = None
         if cfg.gateway.otlp_endpoint:  # opentelemetry is imported only when it is configured
-            from serve_app.gateway.otel import StageSpans as Spans
+            from serve_app.gateway.accounting.otel import StageSpans as Spans
 
             self.spans = Spans.otlp(cfg.gateway.otlp_endpoint)
         usage = Usage(store, GatewayMetrics.create(cfg), StageMetrics.create(), self.spans)

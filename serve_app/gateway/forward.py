@@ -30,8 +30,8 @@ from starlette.types import Receive, Scope, Send
 
 from serve_app import errors
 from serve_app.config import GatewayConfig
-from serve_app.gateway.drain import Drain, Stream
-from serve_app.gateway.ledger import Ledger, Outcome
+from serve_app.gateway.admission.drain import Drain, Stream
+from serve_app.gateway.admission.ledger import Ledger, Outcome
 from serve_app.gateway.outage import ModelDown, OutageGuard
 from serve_app.protocol import Endpoint, Head, RequestContext, Tokens, stream_error, tokens_of
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from serve_app.gateway.replicas import LiveReplicas
+from serve_app.gateway.routing.replicas import LiveReplicas
 
 T = TypeVar("T")
 

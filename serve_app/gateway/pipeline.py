@@ -22,15 +22,15 @@ from starlette.responses import Response
 
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
-from serve_app.gateway.admission import Admission
-from serve_app.gateway.affinity import affinity_key
-from serve_app.gateway.budgets import Budgets
+from serve_app.gateway.accounting.timing import StageClock
+from serve_app.gateway.accounting.tracecontext import TraceContext
+from serve_app.gateway.accounting.usage import Usage
+from serve_app.gateway.admission.admission import Admission
+from serve_app.gateway.admission.budgets import Budgets
+from serve_app.gateway.admission.ledger import NO_TOKENS, Ledger, Outcome
 from serve_app.gateway.forward import Forwarder
-from serve_app.gateway.ledger import NO_TOKENS, Ledger, Outcome
-from serve_app.gateway.routing import Router
-from serve_app.gateway.timing import StageClock
-from serve_app.gateway.tracecontext import TraceContext
-from serve_app.gateway.usage import Usage
+from serve_app.gateway.routing.affinity import affinity_key
+from serve_app.gateway.routing.router import Router
 from serve_app.protocol import Endpoint, RequestContext
 
 logger = logging.getLogger("ray.serve")

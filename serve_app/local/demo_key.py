@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from serve_app.gateway.auth import digest, new_secret
-from serve_app.gateway.keys import create_key, read_keys_file, revoke_key, write_keys_file
-from serve_app.gateway.keystore import KeyOps, KeyStore
+from serve_app.gateway.keys.auth import digest, new_secret
+from serve_app.gateway.keys.keyfile import create_key, read_keys_file, revoke_key, write_keys_file
+from serve_app.gateway.keys.store import KeyOps, KeyStore
 
 DEMO_KEY_ID = "local-demo"
 

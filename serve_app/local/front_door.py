@@ -122,7 +122,7 @@ def write_error_files(errors_dir: Path) -> None:
                 *(f"    errorfile {s} {errors_dir}/{s}.http" for s in _ERRORS)]
     (errors_dir / "defaults.cfg").write_text("\n".join(defaults) + "\n")
     frontend = [
-        f"    {MARK}: arrival stamp (serve_app.gateway.timing), never the client's own",
+        f"    {MARK}: arrival stamp (serve_app.gateway.accounting.timing), never the client's own",
         *(f"    {line}" for line in ARRIVAL_STAMP),
         f"    {MARK}: methods the gateway does not serve (uvicorn would answer them in plain text)",
         "    acl serve_app_method method " + " ".join(ALLOWED_METHODS),
@@ -168,7 +168,7 @@ def haproxy_env(run_dir: Path, host: str, binary: str) -> dict[str, str]:
         # deployments, GC frozen after start-up. It also implies direct ingress. bench, c16/c64:
         # 0.70/0.66 -> 0.92/0.86; gRPC alone, c64: 0.40 -> 0.63 (the gateway's CPU per token /3).
         # Ray Serve's max_queued_requests does not bound a burst on either transport; the gateway
-        # enforces each model's capacity itself (serve_app/gateway/admission.py).
+        # enforces each model's capacity itself (serve_app/gateway/admission/admission.py).
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
         # The model replica -> gateway link carries one gRPC message per answer part; Ray keeps
         # gRPC's 4 MiB default. Complete answers travel in 1 MiB parts (protocol.split_complete),

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from serve_app.config import APP_NAME, AppConfig
-from serve_app.gateway.keys import KeysFileError
-from serve_app.gateway.keystore import open_key_store
+from serve_app.gateway.keys.keyfile import KeysFileError
+from serve_app.gateway.keys.store import open_key_store
 from serve_app.local import front_door, prometheus, say
 from serve_app.local.demo_key import ensure_demo_key, ensure_demo_key_in
 from serve_app.local.redis_server import LocalRedis, LocalStateError, start_local_redis
@@ -142,7 +142,7 @@ class LocalStack:
 
     def _start_ray(self) -> None:
         say("starting Ray (local, loopback only) ...")
-        from serve_app.gateway.proxy_middleware import IMPORT_PATH
+        from serve_app.gateway.http.proxy_middleware import IMPORT_PATH
 
         # Ray's HTTP servers read this when they start: it bounds the X-Request-Id they echo.
         os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", IMPORT_PATH)

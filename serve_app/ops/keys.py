@@ -1,6 +1,6 @@
 """``serve-app keys``: create, list, rotate and revoke API keys in the config's key store (the YAML
 keys file by default; SQLite or Redis per ``gateway.keys_store``), through the same code as the
-admin API (serve_app/gateway/keystore.py)."""
+admin API (serve_app/gateway/keys/store.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 from typing import Any
 
 from serve_app.config import GatewayConfig
-from serve_app.gateway.keys import KeysFileError
-from serve_app.gateway.keystore import KeyOps, KeyStore
+from serve_app.gateway.keys.keyfile import KeysFileError
+from serve_app.gateway.keys.store import KeyOps, KeyStore
 from serve_app.ops.configfile import load_config
 
 

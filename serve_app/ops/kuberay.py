@@ -35,7 +35,7 @@ CACHE_CLAIM = "serve-app-model-cache"
 SERVE_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.gateway.proxy_middleware:middlewares",
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.gateway.http.proxy_middleware:middlewares",
     # Room on the replica gRPC link for a request body up to gateway.max_body_bytes (front_door.py).
     **GRPC_ENV,
 }

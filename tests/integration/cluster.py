@@ -32,7 +32,7 @@ import yaml
 
 from loadtests.harness.stack import copy_config, driver_env
 from serve_app.config import APP_NAME
-from serve_app.gateway.keys import create_key
+from serve_app.gateway.keys.keyfile import create_key
 from serve_app.local.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +48,7 @@ def _say(msg: str) -> None:
 def cluster_env(run_dir: Path) -> dict[str, str]:
     """The environment of every node (README "Deploy", step 3): Ray Serve's throughput mode with
     HAProxy, the X-Request-Id middleware, autoscaling metrics every second, loopback only."""
-    from serve_app.gateway.proxy_middleware import IMPORT_PATH
+    from serve_app.gateway.http.proxy_middleware import IMPORT_PATH
     from serve_app.local import front_door
 
     env = dict(os.environ)
@@ -199,7 +199,7 @@ def write_config(src: Path, workdir: Path, port: int, keys_file: Path, redis_url
 
 def mounted_keys(workdir: Path, keys: Mapping[str, str]) -> tuple[Path, dict[str, str]]:
     """A keys file in a directory of its own, as a mounted Secret is (``keys``: id -> tier); the
-    secrets made by serve_app.gateway.keys."""
+    secrets made by serve_app.gateway.keys.keyfile."""
     folder = workdir / "keys"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "keys.yaml"

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from serve_app.gateway.keys import create_key
+from serve_app.gateway.keys.keyfile import create_key
 from tests.integration.agents import CLIENTS_BIN, can_unshare, run_isolated
 
 pytestmark = pytest.mark.integration

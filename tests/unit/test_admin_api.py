@@ -11,8 +11,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from serve_app.gateway.api import build_api
-from serve_app.gateway.keystore import KeyOps
+from serve_app.gateway.http.api import build_api
+from serve_app.gateway.keys.store import KeyOps
 from serve_app.protocol import head, tokens_of
 from tests.unit.test_api import FakeModels, _gateway_deps
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 
 from serve_app.config import AppConfig, KeyRecord
-from serve_app.gateway.admission import Admission
-from serve_app.gateway.limits import MemoryBackend
-from serve_app.gateway.tiers import DEFAULT_RESERVE_TOKENS
+from serve_app.gateway.admission.admission import Admission
+from serve_app.gateway.admission.limits import MemoryBackend
+from serve_app.gateway.admission.tiers import DEFAULT_RESERVE_TOKENS
 
 KEY = KeyRecord(id="agent", digest="sha256:" + "0" * 64, tier="standard")
 

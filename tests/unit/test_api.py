@@ -1,4 +1,4 @@
-"""serve_app.gateway.api over HTTP (TestClient): real KeyStore and Router, fake model side."""
+"""serve_app.gateway.http.api over HTTP (TestClient): real KeyStore and Router, fake model side."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from fastapi.testclient import TestClient
 from ray.serve.exceptions import BackPressureError
 
 from serve_app.errors import error_body
-from serve_app.gateway.api import GatewayDeps, build_api
 from serve_app.gateway.deployment import Gateway
 from serve_app.gateway.forward import Forwarder
-from serve_app.gateway.keys import KeyStore, create_key, revoke_key
-from serve_app.gateway.routing import Router
+from serve_app.gateway.http.api import GatewayDeps, build_api
+from serve_app.gateway.keys.keyfile import KeyStore, create_key, revoke_key
+from serve_app.gateway.routing.router import Router
 from serve_app.protocol import SSE_DONE, head
 from tests.unit.fakes import Call, FakeHandle, FakeStream, StepClock
 

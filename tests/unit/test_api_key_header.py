@@ -1,5 +1,5 @@
 """The API key in ``x-api-key`` (Anthropic clients, Claude Code with ANTHROPIC_API_KEY) as well as
-``Authorization: Bearer``: serve_app.gateway.auth.request_key, and the gateway over HTTP."""
+``Authorization: Bearer``: serve_app.gateway.keys.auth.request_key, and the gateway over HTTP."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from starlette.datastructures import Headers
 
-from serve_app.gateway.auth import request_key
+from serve_app.gateway.keys.auth import request_key
 from tests.unit.test_api import CHAT, Env, _error
 
 

@@ -1,10 +1,10 @@
-"""serve_app.gateway.audit: one JSON line per event, bounded by rotation, counted."""
+"""serve_app.gateway.accounting.audit: one JSON line per event, bounded by rotation, counted."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from serve_app.gateway.audit import Audit
+from serve_app.gateway.accounting.audit import Audit
 
 
 class Counted:

@@ -1,4 +1,4 @@
-"""serve_app.gateway.auth: secrets, digests and the Authorization header."""
+"""serve_app.gateway.keys.auth: secrets, digests and the Authorization header."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from serve_app.gateway.auth import KEY_PREFIX, bearer_token, digest, new_secret, same_digest
+from serve_app.gateway.keys.auth import KEY_PREFIX, bearer_token, digest, new_secret, same_digest
 
 
 @pytest.mark.parametrize(

@@ -29,8 +29,8 @@ from serve_app.batch.files import FileStore, ResultFile
 from serve_app.batch.routes import BatchService
 from serve_app.batch.runner import BatchRunner
 from serve_app.config import AppConfig, KeyRecord
-from serve_app.gateway.timing import StageClock
-from serve_app.gateway.tracecontext import TraceContext
+from serve_app.gateway.accounting.timing import StageClock
+from serve_app.gateway.accounting.tracecontext import TraceContext
 from serve_app.protocol import Endpoint
 from tests.unit.test_api import Env
 

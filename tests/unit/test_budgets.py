@@ -1,4 +1,4 @@
-"""serve_app.gateway.budgets: reserve at admission, settle at the end, across replicas."""
+"""serve_app.gateway.admission.budgets: reserve at admission, settle at the end, across replicas."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from serve_app import errors
 from serve_app.config import Budget, KeyRecord
-from serve_app.gateway.budgets import (
+from serve_app.gateway.admission.budgets import (
     BudgetBackend,
     Budgets,
     MemoryBudgets,

@@ -13,7 +13,7 @@ import yaml
 
 from serve_app.cli import main
 from serve_app.config import APP_NAME, load_app_config
-from serve_app.gateway.keys import KeyStore, create_key, read_keys_file, revoke_key
+from serve_app.gateway.keys.keyfile import KeyStore, create_key, read_keys_file, revoke_key
 from serve_app.local.demo_key import DEMO_KEY_ID, ensure_demo_key
 from serve_app.local.stack import LocalStack, app_status
 

@@ -16,7 +16,7 @@ import pytest
 from loadtests.harness.faults import Result, classify, recovery
 from serve_app.engine.watchdog import EngineWatchdog
 from serve_app.gateway.outage import ModelDown, OutageGuard
-from serve_app.gateway.replicas import LiveReplicas, Status
+from serve_app.gateway.routing.replicas import LiveReplicas, Status
 from serve_app.runtime import logflush
 
 
@@ -234,7 +234,7 @@ def test_the_soak_rules() -> None:
 
 # ---- drain ------------------------------------------------------------------------------------
 def test_the_drain_lets_streams_finish_then_stops_the_rest() -> None:
-    from serve_app.gateway.drain import Drain
+    from serve_app.gateway.admission.drain import Drain
 
     status = {"deleting": False}
     live = LiveReplicas(lambda: Status({}, status["deleting"]), 0.02)
@@ -262,7 +262,7 @@ def test_the_drain_lets_streams_finish_then_stops_the_rest() -> None:
 
 def test_the_drain_counts_from_when_the_deletion_was_seen() -> None:
     """The deadline runs from the status reading, not from when a stream next looks at it."""
-    from serve_app.gateway.drain import Drain
+    from serve_app.gateway.admission.drain import Drain
 
     live = LiveReplicas(lambda: Status({}, True), 10.0)
     live.refresh()

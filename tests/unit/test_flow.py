@@ -15,13 +15,13 @@ from fastapi.testclient import TestClient
 
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
-from serve_app.gateway.admission import Admission
-from serve_app.gateway.api import GatewayDeps, build_api
-from serve_app.gateway.capacity import Capacity
-from serve_app.gateway.flow import Flow, Waiter
-from serve_app.gateway.keys import create_key
-from serve_app.gateway.limits import MemoryBackend
-from serve_app.gateway.timing import StageClock
+from serve_app.gateway.accounting.timing import StageClock
+from serve_app.gateway.admission.admission import Admission
+from serve_app.gateway.admission.capacity import Capacity
+from serve_app.gateway.admission.flow import Flow, Waiter
+from serve_app.gateway.admission.limits import MemoryBackend
+from serve_app.gateway.http.api import GatewayDeps, build_api
+from serve_app.gateway.keys.keyfile import create_key
 from serve_app.ops.diagnose import flow_lines
 from tests.unit.test_api import FakeModels, _gateway_deps
 

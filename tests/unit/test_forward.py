@@ -21,9 +21,9 @@ from starlette.responses import Response, StreamingResponse
 
 from serve_app import errors
 from serve_app.config import APP_NAME, GatewayConfig
+from serve_app.gateway.accounting.timing import StageClock
+from serve_app.gateway.admission.ledger import Outcome
 from serve_app.gateway.forward import Forwarder
-from serve_app.gateway.ledger import Outcome
-from serve_app.gateway.timing import StageClock
 from serve_app.protocol import (
     ENDPOINTS,
     SSE_DONE,
@@ -369,7 +369,7 @@ def test_answer_cut_between_its_parts_is_an_error_not_a_truncated_200() -> None:
 # ---- a model whose replicas are gone -----------------------------------------------------------
 def test_a_request_held_for_a_lost_replica_is_answered_503_once_none_runs() -> None:
     from serve_app.gateway.outage import OutageGuard
-    from serve_app.gateway.replicas import LiveReplicas, Status
+    from serve_app.gateway.routing.replicas import LiveReplicas, Status
 
     counts = {"tiny-chat": 1}
     live = LiveReplicas(lambda: Status(dict(counts)), 0.1)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.gateway.timing import arrival_from_headers
+from serve_app.gateway.accounting.timing import arrival_from_headers
 from serve_app.local import front_door
 
 # The listeners of Ray Serve's HAProxy template (ray/serve/_private/haproxy_templates.py).

@@ -9,6 +9,11 @@ also those inside functions, so a lazy import cannot hide a dependency.
   another serve_app module (gateway replicas stay light); ``serve_app/engine`` never imports
   the gateway. Neither imports ``serve_app.app`` or ``serve_app.cli``, which wire them together,
   nor the launcher and tools that sit above them (``serve_app.local``, ``serve_app.ops``).
+- Inside ``serve_app/gateway`` the packages are layers, each importing only those below it
+  (``GATEWAY_LAYERS``): deployment -> http -> pipeline -> forward -> outage -> admission -> keys
+  -> routing -> accounting. A request's path reads top to bottom, and no lower layer reaches up.
+- ``serve_app/state`` (the connections and stores) imports nothing of the gateway, the engine or
+  batch: they use it, never the other way round.
 - ``loadtests/`` treats the service as a black box: from serve_app it imports only
   ``serve_app.config``, and the only serve_app module it names (to run it) is ``serve_app.cli``.
   One exception: ``serve_app.local.ports``, the one free-port finder (stdlib only, no app
@@ -29,6 +34,19 @@ LOADTESTS_MAY_IMPORT = ("serve_app.config", "serve_app.local.ports")
 MODULE_NAME = re.compile(r"^serve_app(\.\w+)+$")
 
 Violations = dict[str, list[str]]
+
+# The gateway's layers, top first: a module may import its own layer and the layers below it.
+GATEWAY_LAYERS = (
+    "serve_app.gateway.deployment",
+    "serve_app.gateway.http",
+    "serve_app.gateway.pipeline",
+    "serve_app.gateway.forward",
+    "serve_app.gateway.outage",
+    "serve_app.gateway.admission",
+    "serve_app.gateway.keys",
+    "serve_app.gateway.routing",
+    "serve_app.gateway.accounting",
+)
 
 
 def within(name: str, *packages: str) -> bool:
@@ -108,6 +126,32 @@ def gateway_violations(root: Path) -> Violations:
     return _only_hits(found)
 
 
+def layer_of(name: str) -> int | None:
+    return next((i for i, layer in enumerate(GATEWAY_LAYERS) if within(name, layer)), None)
+
+
+def gateway_layer_violations(root: Path) -> Violations:
+    """gateway module -> the gateway modules of higher layers it imports."""
+    found: dict[str, list[str]] = {}
+    for path in files(root, "serve_app/gateway"):
+        mod = module_name(path, root)
+        own = layer_of(mod)
+        if own is None:
+            if mod != "serve_app.gateway":
+                found[mod] = ["(in no layer: add it to GATEWAY_LAYERS)"]
+            continue
+        found[mod] = [n for n in imports_of(path, root)
+                      if (layer := layer_of(n)) is not None and layer < own]
+    return _only_hits(found)
+
+
+def state_violations(root: Path) -> Violations:
+    return _only_hits({str(p.relative_to(root)): [
+        n for n in imports_of(p, root)
+        if within(n, "serve_app.gateway", "serve_app.engine", "serve_app.batch", *WIRING)]
+        for p in files(root, "serve_app/state")})
+
+
 def engine_violations(root: Path) -> Violations:
     return _only_hits({str(p.relative_to(root)): [n for n in imports_of(p, root)
                                                   if within(n, "serve_app.gateway", *WIRING)]
@@ -137,6 +181,15 @@ def test_config_imports_nothing_else_from_serve_app() -> None:
 def test_gateway_never_reaches_vllm_torch_or_the_engine() -> None:
     assert any(files(ROOT, "serve_app/gateway"))
     assert gateway_violations(ROOT) == {}
+
+
+def test_gateway_packages_import_only_downward() -> None:
+    assert gateway_layer_violations(ROOT) == {}
+
+
+def test_state_imports_none_of_its_users() -> None:
+    assert any(files(ROOT, "serve_app/state"))
+    assert state_violations(ROOT) == {}
 
 
 def test_engine_never_imports_the_gateway() -> None:
@@ -181,6 +234,25 @@ def test_checker_sees_relative_lazy_and_indirect_imports(tmp_path: Path) -> None
                                                                       "serve_app.gateway.a"]}
     assert loadtests_violations(root) == {"loadtests/bad.py": ["serve_app.engine.sources",
                                                                "serve_app.gateway"]}
+
+
+def test_layer_checker_sees_an_import_that_reaches_up(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "serve_app/__init__.py": "",
+        "serve_app/gateway/__init__.py": "",
+        "serve_app/gateway/http/__init__.py": "",
+        "serve_app/gateway/http/api.py": "from serve_app.gateway.admission import flow\n",
+        "serve_app/gateway/admission/__init__.py": "",
+        "serve_app/gateway/admission/flow.py": "def f():\n    from serve_app.gateway.http import api\n",
+        "serve_app/gateway/stray.py": "",
+        "serve_app/state/__init__.py": "from serve_app.gateway.keys import store\n",
+    })
+    assert gateway_layer_violations(root) == {
+        "serve_app.gateway.admission.flow": ["serve_app.gateway.http", "serve_app.gateway.http.api"],
+        "serve_app.gateway.stray": ["(in no layer: add it to GATEWAY_LAYERS)"],
+    }
+    assert state_violations(root) == {"serve_app/state/__init__.py": [
+        "serve_app.gateway.keys", "serve_app.gateway.keys.store"]}
 
 
 def test_the_port_finder_that_loadtests_share_imports_nothing_of_the_app() -> None:

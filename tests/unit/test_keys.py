@@ -1,4 +1,4 @@
-"""serve_app.gateway.keys: the keys file, its edits, and the hot-reloading KeyStore."""
+"""serve_app.gateway.keys.keyfile: the keys file, its edits, and the hot-reloading KeyStore."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.gateway.auth import digest
-from serve_app.gateway.keys import (
+from serve_app.gateway.keys.auth import digest
+from serve_app.gateway.keys.keyfile import (
     KeysFileError,
     KeyStore,
     create_key,

@@ -1,4 +1,4 @@
-"""serve_app.gateway.keystore: the three key stores behind one interface, and the key operations
+"""serve_app.gateway.keys.store: the three key stores behind one interface, and the key operations
 that the admin API and ``serve-app keys`` share."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from serve_app.config import GatewayConfig
-from serve_app.gateway.keys import KeyConflict, KeyNotFound, KeysFileError, StoreReadOnly
-from serve_app.gateway.keys import KeyStore as FileKeyStore
-from serve_app.gateway.keystore import (
+from serve_app.gateway.keys.keyfile import KeyConflict, KeyNotFound, KeysFileError, StoreReadOnly
+from serve_app.gateway.keys.keyfile import KeyStore as FileKeyStore
+from serve_app.gateway.keys.store import (
     POLL_S,
     KeyOps,
     KeyStore,

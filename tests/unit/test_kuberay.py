@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from serve_app.config import AppConfig, load_app_config
-from serve_app.gateway.keys import KeyStore, create_key
+from serve_app.gateway.keys.keyfile import KeyStore, create_key
 from serve_app.ops.kuberay import main, manifest, render
 
 ROOT = Path(__file__).resolve().parents[2]

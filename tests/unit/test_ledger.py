@@ -12,15 +12,15 @@ from ray.serve.exceptions import BackPressureError
 
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
-from serve_app.gateway.admission import Admission
+from serve_app.gateway.accounting.timing import StageClock
+from serve_app.gateway.accounting.tracecontext import TraceContext
+from serve_app.gateway.accounting.usage import MemoryUsageStore, Usage
+from serve_app.gateway.admission.admission import Admission
+from serve_app.gateway.admission.ledger import Ledger, Outcome
+from serve_app.gateway.admission.limits import MemoryBackend
 from serve_app.gateway.forward import Forwarder
-from serve_app.gateway.ledger import Ledger, Outcome
-from serve_app.gateway.limits import MemoryBackend
 from serve_app.gateway.pipeline import Pipeline
-from serve_app.gateway.routing import Router
-from serve_app.gateway.timing import StageClock
-from serve_app.gateway.tracecontext import TraceContext
-from serve_app.gateway.usage import MemoryUsageStore, Usage
+from serve_app.gateway.routing.router import Router
 from serve_app.protocol import ENDPOINTS, head, split_complete, tokens_of, trailer
 from tests.unit.fakes import HANG, FakeHandle, FakeStream
 from tests.unit.test_forward import _serve
@@ -44,7 +44,7 @@ def _cfg() -> AppConfig:
 
 class Env:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, gens: dict[str, FakeStream]) -> None:
-        monkeypatch.setattr("serve_app.gateway.admission.clock", lambda: NOW)  # no refill
+        monkeypatch.setattr("serve_app.gateway.admission.admission.clock", lambda: NOW)  # no refill
         cfg = _cfg()
         self.handles = {m: FakeHandle(g) for m, g in gens.items()}
         self.store = MemoryUsageStore()

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.config import GatewayConfig
-from serve_app.gateway.limits import Charge, MemoryBackend, RedisBackend, open_backend
+from serve_app.gateway.admission.limits import Charge, MemoryBackend, RedisBackend, open_backend
 
 
 class _Lazy:

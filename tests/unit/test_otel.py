@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from serve_app.gateway.otel import StageSpans
-from serve_app.gateway.timing import StageClock
-from serve_app.gateway.tracecontext import TraceContext
+from serve_app.gateway.accounting.otel import StageSpans
+from serve_app.gateway.accounting.timing import StageClock
+from serve_app.gateway.accounting.tracecontext import TraceContext
 
 NOW = 1_796_000_000.0
 CLIENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

@@ -13,9 +13,9 @@ from typing import Any
 
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord, load_app_config
-from serve_app.gateway.admission import Admission
-from serve_app.gateway.limits import MemoryBackend
-from serve_app.gateway.replicas import LiveReplicas, Status, status_of
+from serve_app.gateway.admission.admission import Admission
+from serve_app.gateway.admission.limits import MemoryBackend
+from serve_app.gateway.routing.replicas import LiveReplicas, Status, status_of
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGEST = "sha256:" + "0" * 64
@@ -170,7 +170,7 @@ def test_cluster_cpu_config_is_prod_layout_with_tiny_models() -> None:
 
 
 def test_gateway_modules_load_no_engine_code() -> None:
-    code = ("import sys, serve_app.gateway.deployment, serve_app.gateway.replicas; "
+    code = ("import sys, serve_app.gateway.deployment, serve_app.gateway.routing.replicas; "
             "print(sorted(m for m in ('vllm', 'torch', 'transformers', 'serve_app.engine') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -208,7 +208,7 @@ def test_the_fetch_outside_a_replica_fails_without_starting_ray() -> None:
     controller first would start a Ray cluster of its own (ray.init) on every refresh. In a fresh
     interpreter: the suite's own driver may be connected to a stack's cluster already."""
     code = ("import ray; from ray.serve.exceptions import RayServeException; "
-            "from serve_app.gateway.replicas import serve_status_fetch\n"
+            "from serve_app.gateway.routing.replicas import serve_status_fetch\n"
             "try:\n    serve_status_fetch({'tiny-chat': 'model-tiny-chat'})()\n"
             "except RayServeException:\n    print('raised', ray.is_initialized())\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""Affinity routing (serve_app.engine.router, serve_app.gateway.affinity) and its config.
+"""Affinity routing (serve_app.engine.router, serve_app.gateway.routing.affinity) and its config.
 
 The policy is checked without Ray: which replica a key goes to, how the load bound moves it, and
 what adding or removing a replica moves. The Ray Serve wiring is checked with Ray Serve's own
@@ -27,7 +27,7 @@ from serve_app.engine.router import (
     load_bound,
     rank,
 )
-from serve_app.gateway import affinity
+from serve_app.gateway.routing import affinity
 from serve_app.protocol import ENDPOINTS, RequestContext
 
 REPLICAS = [f"r{i}" for i in range(4)]

@@ -1,4 +1,4 @@
-"""serve_app.gateway.routing: model ids and aliases, per-key visibility."""
+"""serve_app.gateway.routing.router: model ids and aliases, per-key visibility."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
-from serve_app.gateway.auth import digest
-from serve_app.gateway.routing import Router
+from serve_app.gateway.keys.auth import digest
+from serve_app.gateway.routing.router import Router
 
 CFG = AppConfig.model_validate(
     {

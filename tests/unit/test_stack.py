@@ -14,7 +14,7 @@ import yaml
 
 from loadtests.bench import procs as bench_procs
 from loadtests.harness import stack as harness
-from serve_app.gateway.keys import KeyStore
+from serve_app.gateway.keys.keyfile import KeyStore
 
 LOCAL = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from serve_app.gateway import timing
-from serve_app.gateway.timing import ArrivalStamp, StageClock, arrival_from_headers, stamp_seconds
+from serve_app.gateway.accounting import timing
+from serve_app.gateway.accounting.timing import ArrivalStamp, StageClock, arrival_from_headers, stamp_seconds
 
 NOW = 1_796_000_000.0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.gateway.tracecontext import TraceContext, parse_traceparent
+from serve_app.gateway.accounting.tracecontext import TraceContext, parse_traceparent
 
 CLIENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

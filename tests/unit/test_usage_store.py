@@ -1,4 +1,4 @@
-"""serve_app.gateway.usage's stores, and that the Redis-backed ones give their connections back on
+"""serve_app.gateway.accounting.usage's stores, and that the Redis-backed ones give their connections back on
 close (a gateway replica that shuts down must not leave clients open on a shared Redis)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import redis
 
-from serve_app.gateway.limits import Charge, RedisBackend
-from serve_app.gateway.usage import MemoryUsageStore, RedisUsageStore, UsageStore
+from serve_app.gateway.accounting.usage import MemoryUsageStore, RedisUsageStore, UsageStore
+from serve_app.gateway.admission.limits import Charge, RedisBackend
 
 
 def _clients(url: str) -> int:

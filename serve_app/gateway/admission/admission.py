@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.config import AppConfig, KeyRecord, TierConfig
-from serve_app.gateway import charge
-from serve_app.gateway.capacity import Capacity
-from serve_app.gateway.flow import Flow, Waiter
-from serve_app.gateway.limits import Charge, LimitBackend, clock
-from serve_app.gateway.replicas import LiveReplicas
-from serve_app.gateway.tiers import TierPolicy
-from serve_app.gateway.timing import StageClock
+from serve_app.gateway.accounting.timing import StageClock
+from serve_app.gateway.admission import charge
+from serve_app.gateway.admission.capacity import Capacity
+from serve_app.gateway.admission.flow import Flow, Waiter
+from serve_app.gateway.admission.limits import Charge, LimitBackend, clock
+from serve_app.gateway.admission.tiers import TierPolicy
+from serve_app.gateway.routing.replicas import LiveReplicas
 from serve_app.protocol import MAX_TOKENS_FIELDS, Endpoint
 
 _BYTES_PER_TOKEN = 4  # a rough prompt estimate for the reservation; settled to the truth later

@@ -78,7 +78,7 @@ from typing import Any, Protocol
 
 from serve_app import errors
 from serve_app.config import AppConfig, TierConfig
-from serve_app.gateway.capacity import Capacity
+from serve_app.gateway.admission.capacity import Capacity
 
 logger = logging.getLogger("ray.serve")
 

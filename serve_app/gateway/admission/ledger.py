@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 from serve_app import errors
 from serve_app.config import KeyRecord, TierConfig
-from serve_app.gateway.admission import Admission, Ticket
-from serve_app.gateway.budgets import BudgetHold
-from serve_app.gateway.timing import StageClock
-from serve_app.gateway.tracecontext import TraceContext
-from serve_app.gateway.usage import Usage
+from serve_app.gateway.accounting.timing import StageClock
+from serve_app.gateway.accounting.tracecontext import TraceContext
+from serve_app.gateway.accounting.usage import Usage
+from serve_app.gateway.admission.admission import Admission, Ticket
+from serve_app.gateway.admission.budgets import BudgetHold
 from serve_app.protocol import Tokens, tokens_of
 
 logger = logging.getLogger("ray.serve")

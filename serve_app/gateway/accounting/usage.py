@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from serve_app.config import KeyRecord, TierConfig
-from serve_app.gateway.timing import StageClock, StageSink
-from serve_app.gateway.tracecontext import TraceContext
+from serve_app.gateway.accounting.timing import StageClock, StageSink
+from serve_app.gateway.accounting.tracecontext import TraceContext
 from serve_app.metrics import GatewayMetrics
 from serve_app.protocol import Tokens
 
 if TYPE_CHECKING:  # opentelemetry is imported only when an OTLP endpoint is configured
-    from serve_app.gateway.otel import StageSpans
+    from serve_app.gateway.accounting.otel import StageSpans
 
 logger = logging.getLogger("ray.serve")
 

@@ -23,15 +23,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serve_app import errors
 from serve_app.config import Budget, KeyRecord, Limits
-from serve_app.gateway import access
-from serve_app.gateway.keys import (
+from serve_app.gateway.keys import access
+from serve_app.gateway.keys.keyfile import (
     KeyConflict,
     KeyInvalid,
     KeyNotFound,
     KeysFileError,
     StoreReadOnly,
 )
-from serve_app.gateway.keystore import KeyOps, describe
+from serve_app.gateway.keys.store import KeyOps, describe
 
 logger = logging.getLogger("ray.serve")
 PREFIX = "/admin/v1"

@@ -14,17 +14,17 @@ from starlette.types import Lifespan
 
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
-from serve_app.gateway import access
-from serve_app.gateway.admin import mount_admin
-from serve_app.gateway.audit import Audit
-from serve_app.gateway.body import parse_body
-from serve_app.gateway.budgets import Budgets
-from serve_app.gateway.keystore import KeyStore
+from serve_app.gateway.accounting.audit import Audit
+from serve_app.gateway.accounting.timing import ArrivalStamp, StageClock
+from serve_app.gateway.accounting.tracecontext import TraceContext
+from serve_app.gateway.accounting.usage import Usage
+from serve_app.gateway.admission.budgets import Budgets
+from serve_app.gateway.http.admin import mount_admin
+from serve_app.gateway.http.body import parse_body
+from serve_app.gateway.keys import access
+from serve_app.gateway.keys.store import KeyStore
 from serve_app.gateway.pipeline import Pipeline
-from serve_app.gateway.routing import Route, Router
-from serve_app.gateway.timing import ArrivalStamp, StageClock
-from serve_app.gateway.tracecontext import TraceContext
-from serve_app.gateway.usage import Usage
+from serve_app.gateway.routing.router import Route, Router
 from serve_app.protocol import BY_PATH, ENDPOINTS, Endpoint, render_error
 
 if TYPE_CHECKING:

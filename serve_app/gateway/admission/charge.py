@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from serve_app import errors
 from serve_app.config import KeyRecord, Limits
-from serve_app.gateway.limits import Charge, LimitBackend, Verdict
+from serve_app.gateway.admission.limits import Charge, LimitBackend, Verdict
 
 logger = logging.getLogger("ray.serve")
 

@@ -13,9 +13,9 @@ from starlette.requests import Request
 
 from serve_app import errors
 from serve_app.config import KeyRecord
-from serve_app.gateway.audit import Audit
-from serve_app.gateway.auth import request_key
-from serve_app.gateway.keystore import KeyStore
+from serve_app.gateway.accounting.audit import Audit
+from serve_app.gateway.keys.auth import request_key
+from serve_app.gateway.keys.store import KeyStore
 
 
 def route_of(request: Request) -> str:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from serve_app import errors
 from serve_app.config import AppConfig, TierConfig
-from serve_app.gateway.replicas import LiveReplicas
+from serve_app.gateway.routing.replicas import LiveReplicas
 
 
 class Capacity:

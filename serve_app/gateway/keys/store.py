@@ -29,9 +29,9 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from serve_app.config import GatewayConfig, KeyRecord, format_validation_error
-from serve_app.gateway import keys as keys_file
-from serve_app.gateway.auth import digest, new_secret, same_digest
-from serve_app.gateway.keys import KeyConflict, KeyInvalid, KeyNotFound, StoreReadOnly
+from serve_app.gateway.keys import keyfile as keys_file
+from serve_app.gateway.keys.auth import digest, new_secret, same_digest
+from serve_app.gateway.keys.keyfile import KeyConflict, KeyInvalid, KeyNotFound, StoreReadOnly
 
 logger = logging.getLogger("ray.serve")
 

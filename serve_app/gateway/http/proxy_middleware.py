@@ -4,7 +4,7 @@ Ray's proxy takes the client's ``X-Request-Id`` as the request id and echoes it 
 This middleware runs before that and drops an id that is longer than 128 characters or not plain
 (letters, digits, ``._:-``), so Ray generates a fresh one instead; a hostile id is never echoed.
 
-Enable it with ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=serve_app.gateway.proxy_middleware:middlewares``
+Enable it with ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=serve_app.gateway.http.proxy_middleware:middlewares``
 in the environment of the Ray cluster (``serve-app run`` sets it for the local cluster).
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.middleware import Middleware
 
-IMPORT_PATH = "serve_app.gateway.proxy_middleware:middlewares"
+IMPORT_PATH = "serve_app.gateway.http.proxy_middleware:middlewares"
 _PLAIN_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
 
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from serve_app.gateway.replicas import LiveReplicas
+from serve_app.gateway.routing.replicas import LiveReplicas
 
 logger = logging.getLogger("ray.serve")
 

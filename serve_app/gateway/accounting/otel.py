@@ -19,8 +19,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from serve_app.gateway.timing import StageClock
-from serve_app.gateway.tracecontext import TraceContext
+from serve_app.gateway.accounting.timing import StageClock
+from serve_app.gateway.accounting.tracecontext import TraceContext
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

@@ -15,7 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from serve_app.config import KeyRecord, KeysFile, format_validation_error
-from serve_app.gateway.auth import digest, new_secret, same_digest
+from serve_app.gateway.keys.auth import digest, new_secret, same_digest
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Accounting: usage, audit, stage timing, traces and their export."""

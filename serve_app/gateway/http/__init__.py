@@ -1,0 +1,1 @@
+"""HTTP: the routes (model API, admin API), request bodies, the proxy's middleware."""

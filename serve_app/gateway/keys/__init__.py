@@ -1,0 +1,1 @@
+"""Keys: the one key model, its stores and operations, secrets and who a request is."""
