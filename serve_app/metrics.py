@@ -62,7 +62,7 @@ METRICS: dict[str, dict[str, Any]] = {
     "stage_seconds": {"kind": "histogram", "labels": ("tier", "model", "stage"),
                       "buckets": STAGE_BUCKETS_S,
                       "help": "Time a request spent in one stage, from its arrival at the front "
-                              "door (serve_app.gateway.timing.STAGES)."},
+                              "door (serve_app.gateway.accounting.timing.STAGES)."},
     "event_loop_lag_seconds": {"kind": "gauge", "labels": PROCESS_LABELS,
                                "help": "Longest lateness of the process's asyncio event loop in "
                                        "the last report window (a periodic sleep's late wake-up)."},
@@ -88,7 +88,7 @@ METRICS: dict[str, dict[str, Any]] = {
                                    "(action=auth_failed), by result."},
 }
 
-# The gateway's flow queues (serve_app.gateway.flow): per model, tier and tenant (a key's tenant,
+# The gateway's flow queues (serve_app.gateway.admission.flow): per model, tier and tenant (a key's tenant,
 # else its id: bounded by the keys file), and the gateway replica (a gauge per replica, summed).
 FLOW_LABELS = ("model", "tier", "tenant", "replica")
 QUEUE_WAIT_BUCKETS_S = [0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
@@ -248,7 +248,7 @@ class GatewayMetrics:
 
 @dataclass
 class StageMetrics:
-    """The per-stage histogram (``serve_app.gateway.timing.StageClock.observe`` feeds it)."""
+    """The per-stage histogram (``serve_app.gateway.accounting.timing.StageClock.observe`` feeds it)."""
 
     stages: Histogram
 
@@ -320,7 +320,7 @@ class BatchMetrics:
 
 @dataclass
 class FlowMetrics:
-    """The flow queues' depth, waits and bound (``serve_app.gateway.flow.Flow`` feeds it)."""
+    """The flow queues' depth, waits and bound (``serve_app.gateway.admission.flow.Flow`` feeds it)."""
 
     depth: Gauge
     wait: Histogram
@@ -366,7 +366,7 @@ class RouterMetrics:
 
 @dataclass
 class AuditMetrics:
-    """The audit trail's counter (``serve_app.gateway.audit.Audit`` feeds it)."""
+    """The audit trail's counter (``serve_app.gateway.accounting.audit.Audit`` feeds it)."""
 
     events: Counter
 
