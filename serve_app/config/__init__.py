@@ -1,30 +1,27 @@
-"""Strict pydantic models of the whole app: the only place where defaults live."""
+"""Strict pydantic models of the whole app: the only place where defaults live.
 
-from serve_app.config.models import (
-    APP_NAME,
+One module per section of the config file: ``engine`` (how a model runs: engine arguments,
+accelerator, deployment and autoscaling), ``model`` (``models[]`` and ``routes[]``), ``tiers``,
+``keys`` (key records and budgets), ``batch``, ``gateway``, and ``app`` (the whole ``args`` block
+and its loading); ``base`` holds the strict base model and the error formatting they share.
+Import the names from here.
+"""
+
+from serve_app.config.app import APP_NAME, AppConfig, load_app_config
+from serve_app.config.base import format_validation_error
+from serve_app.config.batch import BatchConfig
+from serve_app.config.engine import (
     Accelerator,
-    AdmissionConfig,
-    AppConfig,
     AutoscalingConfig,
-    BatchConfig,
-    Budget,
     DeploymentOptions,
     EngineArgs,
-    FlowConfig,
-    GatewayConfig,
-    KeyRecord,
-    KeysFile,
-    Limits,
-    ModelConfig,
     ObjectivePolicyConfig,
-    Objectives,
-    RoutingConfig,
     SyntheticUpstream,
-    TierConfig,
-    expiry_time,
-    format_validation_error,
-    load_app_config,
 )
+from serve_app.config.gateway import GatewayConfig
+from serve_app.config.keys import Budget, KeyRecord, KeysFile, expiry_time
+from serve_app.config.model import AdmissionConfig, FlowConfig, ModelConfig, RoutingConfig
+from serve_app.config.tiers import Limits, Objectives, TierConfig
 
 __all__ = [
     "APP_NAME",

@@ -1,0 +1,96 @@
+"""API keys as stored (the keys file, or the SQLite/Redis key stores) and token budgets."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Literal
+
+from pydantic import Field, PositiveInt, field_validator, model_validator
+
+from serve_app.config.base import _Strict
+from serve_app.config.tiers import Limits
+
+
+def expiry_time(value: str) -> float:
+    """An ``expires_at`` as epoch seconds (UTC when it has no offset); ValueError names the value."""
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"expires_at ({value!r}) is not an ISO 8601 time") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=UTC)
+    return t.timestamp()
+
+
+class Budget(_Strict):
+    """A token budget: prompt + completion tokens per calendar day or month (UTC)."""
+
+    tokens: PositiveInt = Field(le=10**15, description="Prompt + completion tokens allowed per period.")
+    period: Literal["day", "month"] = "month"
+
+
+class KeyRecord(_Strict):
+    """One API key as stored: never the secret, only its SHA-256 digest."""
+
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
+    tier: str = "standard"
+    models: tuple[str, ...] = Field(
+        default=("*",), description='Model ids or aliases this key may use; "*" means every model.'
+    )
+    created_at: str = ""
+    revoked: bool = False
+    tenant: str | None = Field(
+        default=None,
+        description="Keys that share a tenant share vLLM's prefix cache; by default each key is "
+        "its own tenant.",
+    )
+    limits: Limits | None = Field(
+        default=None, description="Overrides the tier's key_limits field by field."
+    )
+    role: Literal["client", "admin"] = Field(
+        default="client",
+        description="client keys call the model routes; admin keys only the admin API "
+        "(/admin/v1), and each is refused (403) on the other's routes.",
+    )
+    expires_at: str | None = Field(
+        default=None,
+        description="ISO 8601 time (UTC when it has no offset) after which the key gets 401.",
+    )
+    budget: Budget | None = Field(
+        default=None, description="Tokens this key may use per day or month (429 insufficient_quota)."
+    )
+
+    @field_validator("expires_at")
+    @classmethod
+    def _expiry_is_a_time(cls, v: str | None) -> str | None:
+        if v is not None:
+            expiry_time(v)
+        return v
+
+    def expired(self, now: float) -> bool:
+        """Whether the key's ``expires_at`` (if any) is at or before ``now`` (epoch seconds)."""
+        return self.expires_at is not None and expiry_time(self.expires_at) <= now
+
+    @property
+    def tenant_id(self) -> str:
+        return self.tenant or self.id
+
+    def allows(self, model_id: str) -> bool:
+        return "*" in self.models or model_id in self.models
+
+
+class KeysFile(_Strict):
+    """The keys file: a YAML document ``{keys: [...]}``."""
+
+    keys: tuple[KeyRecord, ...] = ()
+
+    @model_validator(mode="after")
+    def _unique(self) -> KeysFile:
+        ids: set[str] = set()
+        for k in self.keys:
+            if k.id in ids:
+                raise ValueError(f"key id ({k.id!r}) appears twice")
+            ids.add(k.id)
+        return self
+
