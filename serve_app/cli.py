@@ -28,9 +28,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 
 def cmd_keys(ns: argparse.Namespace) -> int:
-    from serve_app.gateway.keys.keyfile import KeysFileError
-    from serve_app.gateway.keys.store import open_key_store
     from serve_app.ops import keys
+    from serve_app.state.keys import KeysFileError
 
     limits = {name: value for name in LIMIT_OPTIONS if (value := getattr(ns, name, None)) is not None}
     extra: dict[str, object] = {}
@@ -41,11 +40,11 @@ def cmd_keys(ns: argparse.Namespace) -> int:
     if getattr(ns, "budget_tokens", None):
         extra["budget"] = {"tokens": ns.budget_tokens, "period": ns.budget_period}
     try:
-        store = open_key_store(keys.gateway_config(ns.keys_file, ns.config))
+        gw = keys.gateway_config(ns.keys_file, ns.config)
     except KeysFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return keys.run(ns.keys_cmd, store, getattr(ns, "id", ""),
+    return keys.run(ns.keys_cmd, gw, getattr(ns, "id", ""),
                     tier=getattr(ns, "tier", "standard"), models=getattr(ns, "models", "*"),
                     tenant=getattr(ns, "tenant", None), limits=limits, **extra)
 

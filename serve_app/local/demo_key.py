@@ -3,48 +3,47 @@ can paste it into a shell once and keep it across restarts."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
-from serve_app.gateway.keys.auth import digest, new_secret
-from serve_app.gateway.keys.keyfile import create_key, read_keys_file, revoke_key, write_keys_file
-from serve_app.gateway.keys.store import KeyOps, KeyStore
+from serve_app.config import GatewayConfig
+from serve_app.gateway.keys.ops import KeyOps
+from serve_app.state.connections import Connections
+from serve_app.state.keys import KeyStore, digest, open_key_store
 
 DEMO_KEY_ID = "local-demo"
 
 
-def ensure_demo_key(keys_file: Path, secret_file: Path) -> str:
-    """A stable local demo key: reuse the stored secret while its digest is still active."""
-    keys = read_keys_file(keys_file)
-    active = {k.digest for k in keys.keys if not k.revoked}
+async def ensure_demo_key(store: KeyStore, secret_file: Path) -> str:
+    """A stable local demo key in any key store: the stored secret while its digest is still
+    active there; else a new secret for the demo key (created, or rotated back to active when
+    its secret was lost or the key revoked), kept in ``secret_file``."""
+    ops = KeyOps(store)
+    keys = await ops.list()
     if secret_file.exists():
         secret = secret_file.read_text().strip()
-        if digest(secret) in active:
+        if any(k.digest == digest(secret) and not k.revoked for k in keys):
             return secret
-    if any(k.id == DEMO_KEY_ID for k in keys.keys):
-        revoke_key(keys_file, DEMO_KEY_ID)
-        keys = read_keys_file(keys_file)
-        write_keys_file(keys_file, type(keys)(keys=tuple(k for k in keys.keys if k.id != DEMO_KEY_ID)))
-    secret = create_key(keys_file, DEMO_KEY_ID, "standard", ["*"])
+    if any(k.id == DEMO_KEY_ID for k in keys):
+        secret = (await ops.rotate(DEMO_KEY_ID, reactivate=True)).secret
+    else:
+        secret = (await ops.create(DEMO_KEY_ID, tier="standard")).secret
     _keep(secret_file, secret)
     return secret
 
 
-def ensure_demo_key_in(store: KeyStore, secret_file: Path) -> str:
-    """The same stable demo key in a SQLite or Redis key store (``gateway.keys_store``)."""
-    if secret_file.exists():
-        secret = secret_file.read_text().strip()
-        if store.lookup(secret) is not None:
-            return secret
-    existing = [k for k in store.records() if k.id == DEMO_KEY_ID]
-    if not existing:
-        secret = KeyOps(store).create(DEMO_KEY_ID, tier="standard").secret
-    else:  # lost secret, or revoked: the same id with a new secret
-        secret = new_secret()
-        store.write(existing[0].model_copy(update={"digest": digest(secret), "revoked": False}),
-                    new=False)
-    _keep(secret_file, secret)
-    return secret
+def demo_key_in(gw: GatewayConfig, secret_file: Path) -> str:
+    """``ensure_demo_key`` in the store ``gw`` names, for the launcher (which is not async)."""
+
+    async def ensure() -> str:
+        connections = Connections(gw.redis_url, Path(gw.state_dir) if gw.state_dir else None)
+        try:
+            return await ensure_demo_key(open_key_store(gw, connections), secret_file)
+        finally:
+            await connections.close()
+
+    return asyncio.run(ensure())
 
 
 def _keep(secret_file: Path, secret: str) -> None:

@@ -24,12 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from serve_app.config import APP_NAME, AppConfig
-from serve_app.gateway.keys.keyfile import KeysFileError
-from serve_app.gateway.keys.store import open_key_store
 from serve_app.local import front_door, prometheus, say
-from serve_app.local.demo_key import ensure_demo_key, ensure_demo_key_in
+from serve_app.local.demo_key import demo_key_in
 from serve_app.local.redis_server import LocalRedis, LocalStateError, start_local_redis
 from serve_app.local.tiny_model import ensure_tiny_model
+from serve_app.state.keys import KeysFileError
 
 LOGS = "/tmp/ray/session_latest/logs"
 
@@ -101,14 +100,11 @@ class LocalStack:
         that cannot be read raises KeysFileError before anything starts."""
         secret_file = self.keys_file.parent / "demo-key.secret"
         if self.cfg.gateway.keys_store == "file":
-            self.secret = ensure_demo_key(self.keys_file, secret_file)
+            gw = self.cfg.gateway.model_copy(update={"keys_file": str(self.keys_file)})
+            self.secret = demo_key_in(gw, secret_file)
         self._start_state_store()
         if self.cfg.gateway.keys_store != "file":  # in the store the state dir holds
-            store = open_key_store(self.cfg.gateway)
-            try:
-                self.secret = ensure_demo_key_in(store, secret_file)
-            finally:
-                store.close()
+            self.secret = demo_key_in(self.cfg.gateway, secret_file)
         if any(m.source == "builtin:tiny-chat" for m in self.cfg.models):
             ensure_tiny_model(self.cfg.cache_dir)
         self._start_ray()

@@ -1,16 +1,20 @@
 """``serve-app keys``: create, list, rotate and revoke API keys in the config's key store (the YAML
-keys file by default; SQLite or Redis per ``gateway.keys_store``), through the same code as the
-admin API (serve_app/gateway/keys/store.py)."""
+keys file by default; SQLite or Redis per ``gateway.keys_store``), through the same ``KeyOps`` as
+the admin API (serve_app/gateway/keys/ops.py). The store is async; this command is the sync edge
+that runs it (``asyncio.run``)."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
+from pathlib import Path
 from typing import Any
 
 from serve_app.config import GatewayConfig
-from serve_app.gateway.keys.keyfile import KeysFileError
-from serve_app.gateway.keys.store import KeyOps, KeyStore
+from serve_app.gateway.keys.ops import KeyOps
 from serve_app.ops.configfile import load_config
+from serve_app.state.connections import Connections
+from serve_app.state.keys import KeysFileError, open_key_store
 
 
 def gateway_config(keys_file: str | None, config: str) -> GatewayConfig:
@@ -23,42 +27,50 @@ def gateway_config(keys_file: str | None, config: str) -> GatewayConfig:
     return gw
 
 
-def run(command: str, store: KeyStore, key_id: str = "", *, tier: str = "standard",
+def run(command: str, gw: GatewayConfig, key_id: str = "", *, tier: str = "standard",
         models: str = "*", tenant: str | None = None, limits: dict[str, int] | None = None,
         **extra: Any) -> int:
-    """Do ``command`` (create, rotate, list or revoke) on ``store`` and print the outcome; a new
-    secret is printed once, as the last line. A store error is a message and exit code 2.
-    ``extra`` holds create's other fields (role, expires_at, budget)."""
-    ops = KeyOps(store)
-    where = store.location
+    """Do ``command`` (create, rotate, list or revoke) on the store ``gw`` names and print the
+    outcome; a new secret is printed once, as the last line. A store error is a message and exit
+    code 2. ``extra`` holds create's other fields (role, expires_at, budget)."""
+    return asyncio.run(_run(command, gw, key_id, tier=tier, models=models, tenant=tenant,
+                            limits=limits, **extra))
+
+
+async def _run(command: str, gw: GatewayConfig, key_id: str, *, tier: str, models: str,
+               tenant: str | None, limits: dict[str, int] | None, **extra: Any) -> int:
+    connections = Connections(gw.redis_url, Path(gw.state_dir) if gw.state_dir else None)
     try:
+        store = open_key_store(gw, connections)
+        ops = KeyOps(store)
+        where = store.location
         if command == "create":
             model_list = [m for m in (models or "*").split(",") if m]
-            issued = ops.create(key_id, tier=tier, models=model_list, tenant=tenant,
-                                limits=limits or None, **extra)
+            issued = await ops.create(key_id, tier=tier, models=model_list, tenant=tenant,
+                                      limits=limits or None, **extra)
             print(f"created key {key_id!r} (tier {tier}, models {','.join(model_list)}) in {where}")
             print("secret (shown once, store it now):")
             print(issued.secret)
         elif command == "rotate":
-            issued = ops.rotate(key_id)
+            issued = await ops.rotate(key_id)
             print(f"rotated key {key_id!r} in {where}; the old secret stops working within seconds")
             print("new secret (shown once, store it now):")
             print(issued.secret)
         elif command == "list":
-            _list(ops, where)
+            await _list(ops, where)
         elif command == "revoke":
-            ops.revoke(key_id)
+            await ops.revoke(key_id)
             print(f"revoked key {key_id!r} in {where}")
     except KeysFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
-        store.close()
+        await connections.close()
     return 0
 
 
-def _list(ops: KeyOps, where: str) -> None:
-    keys = ops.list()
+async def _list(ops: KeyOps, where: str) -> None:
+    keys = await ops.list()
     if not keys:
         print(f"no keys in {where}")
     for k in keys:

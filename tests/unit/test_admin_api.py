@@ -12,8 +12,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from serve_app.gateway.http.api import build_api
-from serve_app.gateway.keys.store import KeyOps
+from serve_app.gateway.keys.ops import KeyOps
 from serve_app.protocol import head, tokens_of
+from tests.keys import run
 from tests.unit.test_api import FakeModels, _gateway_deps
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}
@@ -32,10 +33,10 @@ class Admin:
         self.deps = _gateway_deps(app_config, {"tiny-chat": self.models.handle("tiny-chat")})
         if self.deps.keys.read_only:
             self.deps.keys.read_only = False
-            self.admin = KeyOps(self.deps.keys).create("root", role="admin").secret
+            self.admin = run(KeyOps(self.deps.keys).create("root", role="admin")).secret
             self.deps.keys.read_only = True
         else:
-            self.admin = KeyOps(self.deps.keys).create("root", role="admin").secret
+            self.admin = run(KeyOps(self.deps.keys).create("root", role="admin")).secret
         self.client = TestClient(build_api(self.deps), raise_server_exceptions=False)
 
     def call(self, method: str, path: str, key: str | None = None, **kw: Any) -> httpx.Response:

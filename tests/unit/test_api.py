@@ -1,4 +1,4 @@
-"""serve_app.gateway.http.api over HTTP (TestClient): real KeyStore and Router, fake model side."""
+"""serve_app.gateway.http.api over HTTP (TestClient): real key store and Router, fake model side."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from serve_app.errors import error_body
 from serve_app.gateway.deployment import Gateway
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.http.api import GatewayDeps, build_api
-from serve_app.gateway.keys.keyfile import KeyStore, create_key, revoke_key
 from serve_app.gateway.routing.router import Router
 from serve_app.protocol import SSE_DONE, head
+from serve_app.state.keys import FileKeyStore
+from tests.keys import create_key, file_store, loaded, revoke_key, run
 from tests.unit.fakes import Call, FakeHandle, FakeStream, StepClock
 
 MAX_BODY = 2048
@@ -57,6 +58,7 @@ def _gateway_deps(app_config: dict[str, Any], handles: dict[str, Any]) -> Gatewa
         step.send(None)
     deps = obj.deps
     assert isinstance(deps, GatewayDeps)
+    loaded(deps.keys)  # as the replica's start does (its lifespan), before it serves
     return deps
 
 
@@ -84,11 +86,12 @@ class Env:
         self.models = FakeModels()
         handles = {m["id"]: self.models.handle(m["id"]) for m in app_config["models"]}
         deps = _gateway_deps(app_config, handles)
-        # Real KeyStore, Router and Forwarder; only the model deployments are fake.
-        assert isinstance(deps.keys, KeyStore) and isinstance(deps.router, Router)
+        # Real key store, Router and Forwarder; only the model deployments are fake.
+        assert isinstance(deps.keys, FileKeyStore) and isinstance(deps.router, Router)
         assert isinstance(deps.pipeline.forwarder, Forwarder)
-        self.keys_clock = StepClock()  # the same KeyStore, on a clock the test steps
-        deps.keys = KeyStore(deps.keys.path, deps.keys.reload_interval_s, clock=self.keys_clock)
+        self.keys_clock = StepClock()  # the same key store, on a clock the test steps
+        deps.keys = file_store(deps.keys.path, deps.keys.interval_s, clock=self.keys_clock)
+        self.keys = deps.keys
         self.client = TestClient(build_api(deps), raise_server_exceptions=False)
 
     def post(self, path: str, body: Any = None, key: str | None = None, **kw: Any) -> httpx.Response:
@@ -165,6 +168,7 @@ def test_revocation_applies_without_restart(env: Env) -> None:
     assert env.post("/v1/chat/completions", CHAT, key=env.chat_key).status_code == 200
     revoke_key(env.keys_file, "chat-only")
     env.keys_clock.step(1.0)
+    run(env.keys.refresh())  # the replica's poll (keep_fresh)
     _error(env.post("/v1/chat/completions", CHAT, key=env.chat_key), 401, "invalid_api_key")
 
 

@@ -1,4 +1,5 @@
-"""serve_app.gateway.keys.auth: secrets, digests and the Authorization header."""
+"""serve_app.gateway.keys.auth (secrets, the Authorization header) and the digests a key store
+keeps (serve_app.state.keys)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import re
 
 import pytest
 
-from serve_app.gateway.keys.auth import KEY_PREFIX, bearer_token, digest, new_secret, same_digest
+from serve_app.gateway.keys.auth import KEY_PREFIX, bearer_token, new_secret
+from serve_app.state.keys import digest, same_digest
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,11 @@ import yaml
 
 from serve_app.cli import main
 from serve_app.config import APP_NAME, load_app_config
-from serve_app.gateway.keys.keyfile import KeyStore, create_key, read_keys_file, revoke_key
-from serve_app.local.demo_key import DEMO_KEY_ID, ensure_demo_key
+from serve_app.local.demo_key import DEMO_KEY_ID
+from serve_app.local.demo_key import ensure_demo_key as ensure_in
 from serve_app.local.stack import LocalStack, app_status
+from serve_app.state.keys import FileKeyStore, read_keys_file
+from tests.keys import create_key, file_store, revoke_key, run
 
 CONFIG_FILES = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.y*ml"))
 
@@ -23,6 +25,11 @@ CONFIG_FILES = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.
 @pytest.fixture
 def paths(tmp_path: Path) -> tuple[Path, Path]:
     return tmp_path / "keys.yaml", tmp_path / "secret" / "demo-key.secret"
+
+
+def ensure_demo_key(keys_file: Path, secret_file: Path) -> str:
+    """The launcher's demo key in the keys file."""
+    return run(ensure_in(FileKeyStore(keys_file), secret_file))
 
 
 def _demo_records(keys_file: Path) -> list[tuple[str, bool]]:
@@ -35,7 +42,7 @@ def test_demo_key_is_created_and_works(paths: tuple[Path, Path]) -> None:
     assert secret_file.read_text().strip() == secret
     assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
     assert secret not in keys_file.read_text()
-    record = KeyStore(keys_file).lookup(secret)
+    record = file_store(keys_file).lookup(secret)
     assert record is not None and record.id == DEMO_KEY_ID and record.models == ("*",)
 
 
@@ -52,7 +59,7 @@ def test_revoked_demo_key_is_replaced(paths: tuple[Path, Path]) -> None:
     revoke_key(keys_file, DEMO_KEY_ID)
     new = ensure_demo_key(keys_file, secret_file)
     assert new != old
-    store = KeyStore(keys_file)
+    store = file_store(keys_file)
     assert store.lookup(old) is None
     assert store.lookup(new) is not None
     assert _demo_records(keys_file) == [(DEMO_KEY_ID, False)]
@@ -64,7 +71,7 @@ def test_lost_secret_file_gives_a_new_key_and_retires_the_old(paths: tuple[Path,
     secret_file.unlink()
     new = ensure_demo_key(keys_file, secret_file)
     assert new != old
-    assert KeyStore(keys_file).lookup(old) is None
+    assert file_store(keys_file).lookup(old) is None
     assert _demo_records(keys_file) == [(DEMO_KEY_ID, False)]
 
 
@@ -74,7 +81,7 @@ def test_other_keys_are_left_alone(paths: tuple[Path, Path]) -> None:
     ensure_demo_key(keys_file, secret_file)
     revoke_key(keys_file, DEMO_KEY_ID)
     ensure_demo_key(keys_file, secret_file)
-    record = KeyStore(keys_file).lookup(team)
+    record = file_store(keys_file).lookup(team)
     assert record is not None and record.tier == "premium"
 
 
@@ -82,13 +89,13 @@ def test_keys_commands_create_list_revoke(tmp_path: Path, capsys: pytest.Capture
     keys_file = str(tmp_path / "keys.yaml")
     assert main(["keys", "--keys-file", keys_file, "create", "--id", "k1", "--models", "tiny"]) == 0
     secret = capsys.readouterr().out.strip().splitlines()[-1]
-    assert KeyStore(Path(keys_file)).lookup(secret) is not None
+    assert file_store(Path(keys_file)).lookup(secret) is not None
     assert main(["keys", "--keys-file", keys_file, "list"]) == 0
     listing = capsys.readouterr().out
     assert "k1" in listing and "active" in listing and secret not in listing
     assert main(["keys", "--keys-file", keys_file, "revoke", "--id", "k1"]) == 0
     capsys.readouterr()
-    assert KeyStore(Path(keys_file)).lookup(secret) is None
+    assert file_store(Path(keys_file)).lookup(secret) is None
     # Errors are reported, not raised.
     assert main(["keys", "--keys-file", keys_file, "revoke", "--id", "nope"]) == 2
     assert "no key with id 'nope'" in capsys.readouterr().err
@@ -117,7 +124,7 @@ def test_keys_options_may_follow_the_subcommand(tmp_path: Path, capsys: pytest.C
     keys_file = str(tmp_path / "keys.yaml")
     assert main(["keys", "create", "--keys-file", keys_file, "--id", "k1", "--tier", "batch"]) == 0
     secret = capsys.readouterr().out.strip().splitlines()[-1]
-    record = KeyStore(Path(keys_file)).lookup(secret)
+    record = file_store(Path(keys_file)).lookup(secret)
     assert record is not None and record.tier == "batch"
     assert main(["keys", "list", "--keys-file", keys_file]) == 0
     assert "k1" in capsys.readouterr().out

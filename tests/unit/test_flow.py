@@ -21,8 +21,8 @@ from serve_app.gateway.admission.capacity import Capacity
 from serve_app.gateway.admission.flow import Flow, Waiter
 from serve_app.gateway.admission.limits import MemoryBackend
 from serve_app.gateway.http.api import GatewayDeps, build_api
-from serve_app.gateway.keys.keyfile import create_key
 from serve_app.ops.diagnose import flow_lines
+from tests.keys import create_key
 from tests.unit.test_api import FakeModels, _gateway_deps
 
 DIGEST = "sha256:" + "0" * 64

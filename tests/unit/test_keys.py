@@ -1,4 +1,5 @@
-"""serve_app.gateway.keys.keyfile: the keys file, its edits, and the hot-reloading KeyStore."""
+"""serve_app.state.keys: the YAML keys file, its edits (through ``KeyOps``), and the hot-reloading
+FileKeyStore."""
 
 from __future__ import annotations
 
@@ -8,14 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.gateway.keys.auth import digest
-from serve_app.gateway.keys.keyfile import (
-    KeysFileError,
-    KeyStore,
-    create_key,
-    read_keys_file,
-    revoke_key,
-)
+from serve_app.state.keys import FileKeyStore, KeysFileError, digest, read_keys_file
+from tests.keys import create_key, file_store, revoke_key, run
 from tests.unit.fakes import StepClock
 
 RELOAD_S = 1.0
@@ -31,12 +26,14 @@ def clock() -> StepClock:
     return StepClock()
 
 
-def _store(path: Path, clock: StepClock) -> KeyStore:
-    return KeyStore(path, RELOAD_S, clock=clock)
+def _store(path: Path, clock: StepClock) -> FileKeyStore:
+    return file_store(path, RELOAD_S, clock=clock)
 
 
-def _wait_reload(clock: StepClock) -> None:
+def _wait_reload(store: FileKeyStore, clock: StepClock) -> None:
+    """The interval passes and the replica's poll runs (``keep_fresh``)."""
     clock.step(RELOAD_S)
+    run(store.refresh())
 
 
 # ---- file edits --------------------------------------------------------------------------------
@@ -136,7 +133,7 @@ def test_revocation_is_picked_up_without_restart(keys_path: Path, clock: StepClo
     store = _store(keys_path, clock)
     assert store.lookup(secret) is not None
     revoke_key(keys_path, "k1")
-    _wait_reload(clock)
+    _wait_reload(store, clock)
     assert store.lookup(secret) is None
 
 
@@ -144,7 +141,7 @@ def test_new_key_is_picked_up_without_restart(keys_path: Path, clock: StepClock)
     create_key(keys_path, "k1", "standard", ["*"])
     store = _store(keys_path, clock)
     secret = create_key(keys_path, "k2", "standard", ["*"])
-    _wait_reload(clock)
+    _wait_reload(store, clock)
     record = store.lookup(secret)
     assert record is not None and record.id == "k2"
 
@@ -153,10 +150,13 @@ def test_reload_is_rate_limited(keys_path: Path, clock: StepClock) -> None:
     create_key(keys_path, "k1", "standard", ["*"])
     store = _store(keys_path, clock)  # reads the file now; the next check waits for the interval
     secret = create_key(keys_path, "k2", "standard", ["*"])
-    assert store.lookup(secret) is None  # the file is not re-read on every request
+    run(store.refresh())
+    assert store.lookup(secret) is None  # the file is not re-read on every poll
     clock.step(RELOAD_S * 0.9)
+    run(store.refresh())
     assert store.lookup(secret) is None
     clock.step(RELOAD_S * 0.1)
+    run(store.refresh())
     assert store.lookup(secret) is not None
 
 
@@ -165,16 +165,16 @@ def test_broken_edit_keeps_old_keys(keys_path: Path, clock: StepClock) -> None:
     store = _store(keys_path, clock)
     good = keys_path.read_text()
     keys_path.write_text(good + "\n  - : [unbalanced\n")
-    _wait_reload(clock)
+    _wait_reload(store, clock)
     assert store.lookup(secret) is not None
     # An edit that is valid YAML but not a valid keys file is kept out too.
     keys_path.write_text(yaml.safe_dump({"keys": [{"id": "k1", "digest": "oops"}]}))
-    _wait_reload(clock)
+    _wait_reload(store, clock)
     assert store.lookup(secret) is not None
     # A later good edit is picked up.
     other = create_key(keys_path.with_name("other.yaml"), "k2", "standard", ["*"])
     keys_path.write_text(keys_path.with_name("other.yaml").read_text())
-    _wait_reload(clock)
+    _wait_reload(store, clock)
     assert store.lookup(secret) is None
     assert store.lookup(other) is not None
 
@@ -183,5 +183,5 @@ def test_missing_file_means_no_keys_until_created(keys_path: Path, clock: StepCl
     store = _store(keys_path, clock)
     assert store.lookup("sk-sa-anything") is None
     secret = create_key(keys_path, "k1", "standard", ["*"])
-    _wait_reload(clock)
+    _wait_reload(store, clock)
     assert store.lookup(secret) is not None

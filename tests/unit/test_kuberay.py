@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from serve_app.config import AppConfig, load_app_config
-from serve_app.gateway.keys.keyfile import KeyStore, create_key
 from serve_app.ops.kuberay import main, manifest, render
+from tests.keys import create_key, file_store, run
 
 ROOT = Path(__file__).resolve().parents[2]
 PROD = ROOT / "configs/prod.yaml"
@@ -110,7 +110,7 @@ def test_key_hot_reload_survives_a_secret_volume_update(tmp_path: Path) -> None:
     mount = tmp_path / "keys"
     mount.mkdir()
     _kubelet_publish(mount, scratch.read_text(), 1)
-    store = KeyStore(mount / "keys.yaml", reload_interval_s=0.0)
+    store = file_store(mount / "keys.yaml", interval_s=0.0)
     assert store.lookup(old) is not None
 
     new = create_key(scratch, "team-b", "premium", ["*"])
@@ -118,6 +118,7 @@ def test_key_hot_reload_survives_a_secret_volume_update(tmp_path: Path) -> None:
     deadline = time.monotonic() + 5
     while store.lookup(new) is None and time.monotonic() < deadline:
         time.sleep(0.01)
+        run(store.refresh())  # the replica's poll (keep_fresh)
     found = store.lookup(new)
     assert found is not None and found.id == "team-b"
     assert store.lookup(old) is not None  # the rest of the file still holds

@@ -14,7 +14,7 @@ import yaml
 
 from loadtests.bench import procs as bench_procs
 from loadtests.harness import stack as harness
-from serve_app.gateway.keys.keyfile import KeyStore
+from tests.keys import file_store
 
 LOCAL = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
 
@@ -85,7 +85,7 @@ def test_copy_config_refuses_an_edit_the_schema_refuses(tmp_path: Path) -> None:
 def test_keys_create_runs_the_public_command(tmp_path: Path) -> None:
     keys_file = tmp_path / "keys.yaml"
     secret = harness.keys_create(keys_file, "load-1", "batch", ["tiny-chat"])
-    record = KeyStore(keys_file).lookup(secret)
+    record = file_store(keys_file).lookup(secret)
     assert record is not None and record.tier == "batch" and record.models == ("tiny-chat",)
     with pytest.raises(harness.StackError, match="keys create --id load-1 failed"):
         harness.keys_create(keys_file, "load-1", "batch")  # the id is taken

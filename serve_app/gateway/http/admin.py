@@ -15,7 +15,8 @@ rule) and reach ``/admin/v1`` from inside.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.openapi.utils import get_openapi
@@ -24,17 +25,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from serve_app import errors
 from serve_app.config import Budget, KeyRecord, Limits
 from serve_app.gateway.keys import access
-from serve_app.gateway.keys.keyfile import (
+from serve_app.gateway.keys.ops import KeyOps, describe
+from serve_app.state.keys import (
     KeyConflict,
     KeyInvalid,
     KeyNotFound,
     KeysFileError,
     StoreReadOnly,
 )
-from serve_app.gateway.keys.store import KeyOps, describe
 
 logger = logging.getLogger("ray.serve")
 PREFIX = "/admin/v1"
+T = TypeVar("T")
 
 
 class KeyFields(BaseModel):
@@ -95,12 +97,12 @@ def _check_tier(request: Request, tier: str | None) -> None:
 def build_admin_router() -> APIRouter:
     router = APIRouter(prefix=PREFIX, tags=["admin"])
 
-    def act(request: Request, actor: KeyRecord, action: str, target: str | None,
-            fn: Any) -> Any:
+    async def act(request: Request, actor: KeyRecord, action: str, target: str | None,
+                  fn: Callable[[], Awaitable[T]]) -> T:
         """Run one admin action and audit it, whatever its result."""
         audit = _deps(request).audit
         try:
-            out = fn()
+            out = await fn()
         except KeysFileError as exc:
             err = _fail(exc)
             if audit is not None:
@@ -119,20 +121,20 @@ def build_admin_router() -> APIRouter:
         """Create a key; its secret is in this answer only."""
         _check_tier(request, body.tier)
         fields = body.model_dump(exclude={"id"}, exclude_none=True)
-        issued = act(request, actor, "key.create", body.id,
+        issued = await act(request, actor, "key.create", body.id,
                      lambda: ops(request).create(body.id, **fields))
         return {**describe(issued.record), "secret": issued.secret}
 
     @router.get("/keys")
     async def list_keys(request: Request,
                         actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
-        keys = act(request, actor, "key.list", None, lambda: ops(request).list())
+        keys = await act(request, actor, "key.list", None, lambda: ops(request).list())
         return {"object": "list", "data": [describe(k) for k in keys]}
 
     @router.get("/keys/{key_id}")
     async def get_key(key_id: str, request: Request,
                       actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
-        key = act(request, actor, "key.get", key_id, lambda: ops(request).get(key_id))
+        key = await act(request, actor, "key.get", key_id, lambda: ops(request).get(key_id))
         d = _deps(request)
         out = describe(key)
         if d.budgets is not None:
@@ -147,7 +149,7 @@ def build_admin_router() -> APIRouter:
         changes = body.model_dump(exclude_unset=True, mode="json")
         if "models" in changes and changes["models"] is None:
             changes["models"] = ["*"]
-        record = act(request, actor, "key.update", key_id,
+        record = await act(request, actor, "key.update", key_id,
                      lambda: ops(request).update(key_id, changes))
         return describe(record)
 
@@ -155,14 +157,14 @@ def build_admin_router() -> APIRouter:
     async def rotate_key(key_id: str, request: Request,
                          actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
         """A new secret (in this answer only); the old one stops within seconds."""
-        issued = act(request, actor, "key.rotate", key_id, lambda: ops(request).rotate(key_id))
+        issued = await act(request, actor, "key.rotate", key_id, lambda: ops(request).rotate(key_id))
         return {**describe(issued.record), "secret": issued.secret}
 
     @router.delete("/keys/{key_id}")
     async def revoke_key(key_id: str, request: Request,
                          actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
         """Revoke a key: every replica answers it 401 within seconds. The record stays listed."""
-        record = act(request, actor, "key.revoke", key_id, lambda: ops(request).revoke(key_id))
+        record = await act(request, actor, "key.revoke", key_id, lambda: ops(request).revoke(key_id))
         return describe(record)
 
     @router.get("/usage")
@@ -178,7 +180,7 @@ def build_admin_router() -> APIRouter:
         """Requests and tokens by key, for the keys matching ``key_id`` and ``tenant``, counted
         for one ``model`` and/or one ``period`` when given."""
         d = _deps(request)
-        keys = act(request, actor, "usage.read", key_id, lambda: ops(request).list())
+        keys = await act(request, actor, "usage.read", key_id, lambda: ops(request).list())
         by_key = {}
         for k in keys:
             if (key_id and k.id != key_id) or (tenant and k.tenant_id != tenant):

@@ -22,10 +22,10 @@ from serve_app.gateway.admission.budgets import Budgets
 from serve_app.gateway.http.admin import mount_admin
 from serve_app.gateway.http.body import parse_body
 from serve_app.gateway.keys import access
-from serve_app.gateway.keys.store import KeyStore
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing.router import Route, Router
 from serve_app.protocol import BY_PATH, ENDPOINTS, Endpoint, render_error
+from serve_app.state.keys import KeyStore
 
 if TYPE_CHECKING:
     from serve_app.batch.routes import BatchService

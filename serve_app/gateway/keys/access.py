@@ -15,7 +15,7 @@ from serve_app import errors
 from serve_app.config import KeyRecord
 from serve_app.gateway.accounting.audit import Audit
 from serve_app.gateway.keys.auth import request_key
-from serve_app.gateway.keys.store import KeyStore
+from serve_app.state.keys import KeyStore
 
 
 def route_of(request: Request) -> str:

@@ -1,10 +1,8 @@
-"""API key secrets: generation, digests and the request headers that carry them. Secrets are never
-stored."""
+"""API key secrets: their generation and the request headers that carry them. Secrets are never
+stored: a store keeps only their digest (``serve_app.state.keys.digest``)."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import secrets
 from collections.abc import Mapping
 
@@ -13,14 +11,6 @@ KEY_PREFIX = "sk-sa-"
 
 def new_secret() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
-
-
-def digest(secret: str) -> str:
-    return "sha256:" + hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def same_digest(a: str, b: str) -> bool:
-    return hmac.compare_digest(a.encode(), b.encode())
 
 
 def bearer_token(authorization: str | None) -> str | None:
