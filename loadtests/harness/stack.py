@@ -277,9 +277,9 @@ def copy_config(src: Path, dst: Path, *, port: int, keys_file: Path,
 
 
 def keys_create(keys_file: Path, key_id: str, tier: str, models: Sequence[str] = ("*",)) -> str:
-    """A new key in ``keys_file``, made by the public ``serve-app keys create`` command (the one
-    implementation is serve_app.gateway.keys.keyfile.create_key, which tests may call directly); returns
-    its secret (the command's last line)."""
+    """A new key in ``keys_file``, made by the public ``serve-app keys create`` command (which runs
+    the one ``KeyOps``, serve_app/gateway/keys/ops.py; tests may call it through tests/keys.py);
+    returns its secret (the command's last line)."""
     argv = [*CLI, "keys", "create", "--keys-file", str(keys_file), "--id", key_id, "--tier", tier,
             "--models", ",".join(models)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)

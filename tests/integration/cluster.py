@@ -32,8 +32,8 @@ import yaml
 
 from loadtests.harness.stack import copy_config, driver_env
 from serve_app.config import APP_NAME
-from serve_app.gateway.keys.keyfile import create_key
 from serve_app.local.ports import free_port
+from tests.keys import create_key
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -199,7 +199,7 @@ def write_config(src: Path, workdir: Path, port: int, keys_file: Path, redis_url
 
 def mounted_keys(workdir: Path, keys: Mapping[str, str]) -> tuple[Path, dict[str, str]]:
     """A keys file in a directory of its own, as a mounted Secret is (``keys``: id -> tier); the
-    secrets made by serve_app.gateway.keys.keyfile."""
+    secrets made by the one KeyOps (tests/keys.py)."""
     folder = workdir / "keys"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "keys.yaml"

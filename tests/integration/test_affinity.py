@@ -30,10 +30,10 @@ import openai
 import pytest
 
 from loadtests.harness.stack import Stack, descendants
-from serve_app.gateway.keys.keyfile import create_key
 from tests.integration.agents import CLIENTS_BIN, can_unshare, run_isolated
 from tests.integration.conftest import running_stack
 from tests.integration.test_agents_real import claude_env, codex_config
+from tests.keys import create_key
 
 pytestmark = pytest.mark.integration
 

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from serve_app.gateway.keys.keyfile import create_key
 from tests.integration.agents import CLIENTS_BIN, can_unshare, run_isolated
+from tests.keys import create_key
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from loadtests.harness.faults import alive, find_replicas
-from serve_app.gateway.keys.keyfile import create_key
+from tests.keys import create_key
 
 pytestmark = pytest.mark.integration
 

@@ -309,7 +309,7 @@ def test_config_change_while_streams_are_in_flight_fails_none(deployed: Deployed
     assert _engine_seqs(c) == 6
 
     # Key changes still apply within seconds on the new gateway replicas.
-    from serve_app.gateway.keys.keyfile import create_key
+    from tests.keys import create_key
 
     t_key = time.monotonic()
     secret = create_key(d.keys_file, "after-update", "premium", ["*"])

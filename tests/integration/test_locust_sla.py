@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from loadtests.harness import stack as harness
-from serve_app.gateway.keys.keyfile import create_key
+from tests.keys import create_key
 
 pytestmark = pytest.mark.integration
 

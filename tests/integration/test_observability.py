@@ -35,9 +35,9 @@ from dashboards.queries import TPOT, TTFT, boards, concrete, sla_board
 from loadtests.bench.sla import ClientLog, agrees_with_sample, chat_once, every, percentile, quantile_interval
 from loadtests.prompts import load_prompts
 from serve_app.config import load_app_config
-from serve_app.gateway.keys.keyfile import create_key
 from serve_app.local.prometheus import Prometheus, targets_from_nodes, write_sd_file
 from serve_app.metrics import ENGINE_METRICS, METRICS, SERVE_METRICS, exported
+from tests.keys import create_key
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve_app.gateway.keys.keyfile import create_key
+from tests.keys import create_key
 
 pytestmark = pytest.mark.integration
 

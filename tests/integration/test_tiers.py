@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from serve_app.gateway.keys.keyfile import create_key, revoke_key, rotate_key
+from tests.keys import create_key, revoke_key, rotate_key
 
 pytestmark = pytest.mark.integration
 
