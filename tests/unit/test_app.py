@@ -14,40 +14,35 @@ from ray.serve._private.build_app import build_app as ray_build_app
 from ray.serve.config import AutoscalingConfig as RayAutoscalingConfig
 
 from serve_app.app import build_app, model_deployment_options, parse_args
-from serve_app.config import APP_NAME, AppConfig, ModelConfig, load_app_config
+from serve_app.config import APP_NAME, AppConfig, load_app_config
 from serve_app.engine.deployment import ModelServer
+from tests.unit.builders import app_config, app_doc, model, model_doc, tier
 
 CONFIG_FILES = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.y*ml"))
 
 
-def _cfg(**over: Any) -> ModelConfig:
-    return ModelConfig.model_validate({"id": "org/Model-1.5", "source": "x", **over})
-
-
 def test_deployment_name_is_ray_safe() -> None:
-    assert _cfg().deployment_name == "model-org-Model-1-5"
+    assert model(id="org/Model-1.5").deployment_name == "model-org-Model-1-5"
 
 
 def test_ids_that_would_share_a_deployment_name_are_rejected() -> None:
     with pytest.raises(ValidationError, match="both become deployment 'model-a-b'"):
-        AppConfig.model_validate(
-            {"models": [{"id": "a.b", "source": "x"}, {"id": "a-b", "source": "y"}]}
-        )
+        app_config(model_doc(id="a.b"), model_doc(id="a-b"))
 
 
 def test_fixed_replicas_default_to_one() -> None:
-    opts = model_deployment_options(_cfg())
+    opts = model_deployment_options(model())
     assert opts["num_replicas"] == 1
     assert "autoscaling_config" not in opts
 
 
 def test_fixed_replicas_are_passed() -> None:
-    opts = model_deployment_options(_cfg(deployment={"num_replicas": 3}))
+    opts = model_deployment_options(model(deployment={"num_replicas": 3}))
     assert opts["num_replicas"] == 3
 
 
 def test_autoscaling_replaces_num_replicas() -> None:
-    m = _cfg(deployment={"autoscaling_config": {"min_replicas": 0, "max_replicas": 4}})
+    m = model(deployment={"autoscaling_config": {"min_replicas": 0, "max_replicas": 4}})
     opts = model_deployment_options(m)
     assert "num_replicas" not in opts
     assert opts["autoscaling_config"]["min_replicas"] == 0
@@ -60,7 +55,7 @@ def test_autoscaling_replaces_num_replicas() -> None:
 
 def test_queue_and_concurrency_limits_are_passed() -> None:
     opts = model_deployment_options(
-        _cfg(deployment={"max_queued_requests": 7, "max_ongoing_requests": 5})
+        model(deployment={"max_queued_requests": 7, "max_ongoing_requests": 5})
     )
     assert opts["max_queued_requests"] == 7
     assert opts["max_ongoing_requests"] == 5
@@ -77,7 +72,7 @@ def test_queue_and_concurrency_limits_are_passed() -> None:
     ],
 )
 def test_ray_serve_accepts_model_deployment_options(over: dict[str, Any]) -> None:
-    opts = model_deployment_options(_cfg(**over))
+    opts = model_deployment_options(model(**over))
     # Raises if, e.g., the actor does not fit in the first bundle or a value is out of range.
     d = ModelServer.options(**opts)
     assert d.name == opts["name"]
@@ -85,7 +80,7 @@ def test_ray_serve_accepts_model_deployment_options(over: dict[str, Any]) -> Non
 
 def test_parse_args_gives_readable_error() -> None:
     with pytest.raises(ValueError) as exc_info:
-        parse_args({"models": [{"id": "m", "source": "x", "engine": {"max_num_seqs": 0}}]})
+        parse_args(app_doc(model_doc(engine={"max_num_seqs": 0})))
     assert "invalid app config:" in str(exc_info.value)
     assert "models.0.engine.max_num_seqs: Input should be greater than 0 (got 0)" in str(
         exc_info.value
@@ -93,7 +88,7 @@ def test_parse_args_gives_readable_error() -> None:
 
 
 def test_parse_args_accepts_validated_config() -> None:
-    cfg = AppConfig.model_validate({"models": [{"id": "m", "source": "x"}]})
+    cfg = app_config()
     assert parse_args(cfg) is cfg
 
 
@@ -107,10 +102,7 @@ def test_shipped_config_builds_gateway_plus_one_deployment_per_model(path: Path)
 
 
 def test_model_deployments_learn_the_top_tier_priority() -> None:
-    cfg = AppConfig.model_validate({
-        "models": [{"id": "m", "source": "x"}], "default_tier": "batch",
-        "tiers": {"premium": {"priority": 1}, "batch": {"priority": 9}},
-    })
+    cfg = app_config(default_tier="batch", tiers={"premium": tier(1), "batch": tier(9)})
     built = ray_build_app(build_app(cfg), name=APP_NAME)
     model = next(d for d in built.deployments if d.name == "model-m")
     assert model.init_args[2] == 1
@@ -118,10 +110,10 @@ def test_model_deployments_learn_the_top_tier_priority() -> None:
 
 # ---- the in-gateway path (gateway.serve_model) --------------------------------------------------
 def _served(**gateway: Any) -> dict[str, Any]:
-    return {"models": [{"id": "chat", "source": "x", "accelerator": {"kind": "cpu", "cpus_per_worker": 2},
-                        "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}},
-                       {"id": "embed", "source": "y", "task": "embed"}],
-            "gateway": {"serve_model": "chat", **gateway}}
+    return app_doc(model_doc(id="chat", accelerator={"kind": "cpu", "cpus_per_worker": 2},
+                             env={"VLLM_CPU_OMP_THREADS_BIND": "0"}),
+                   model_doc(id="embed", task="embed"),
+                   gateway={"serve_model": "chat", **gateway})
 
 
 def test_a_served_model_runs_in_the_gateway_replicas_placed_like_its_own() -> None:

@@ -21,7 +21,7 @@ from ray.serve.config import AutoscalingConfig as RayAutoscalingConfig
 from ray.serve.config import AutoscalingContext
 
 from serve_app.app import build_app, model_deployment_options
-from serve_app.config import AppConfig, AutoscalingConfig, ModelConfig
+from serve_app.config import AutoscalingConfig
 from serve_app.engine.autoscale import (
     COUNT_METRIC,
     POLICY_PATH,
@@ -38,6 +38,7 @@ from serve_app.engine.autoscale import (
     top_tier_objective_s,
 )
 from serve_app.protocol import RequestContext
+from tests.unit.builders import app_config, model, model_doc, tier
 
 OBJECTIVE_S = 1.0
 DEP = DeploymentID(name="model-m", app_name="llm")
@@ -336,9 +337,9 @@ def test_default_autoscaling_keeps_ray_serves_policy() -> None:
 
 
 def test_objective_policy_owns_the_delays_and_gets_the_objective() -> None:
-    m = ModelConfig.model_validate({"id": "m", "source": "x", "deployment": {"autoscaling_config": {
+    m = model(deployment={"autoscaling_config": {
         "max_replicas": 4, "upscale_delay_s": 10, "downscale_delay_s": 300,
-        "objective_policy": {"up_at": 0.7, "down_at": 0.3, "window_s": 20}}}})
+        "objective_policy": {"up_at": 0.7, "down_at": 0.3, "window_s": 20}}})
     opts = model_deployment_options(m, 0.3)["autoscaling_config"]
     assert (opts["upscale_delay_s"], opts["downscale_delay_s"]) == (0.0, 0.0)
     assert opts["policy"]["policy_function"] == POLICY_PATH
@@ -368,11 +369,10 @@ def test_objective_policy_config_is_validated(over: dict[str, Any], msg: str) ->
 
 
 def test_top_tier_objective_is_the_tightest_of_the_top_priority() -> None:
-    cfg = AppConfig.model_validate({
-        "models": [{"id": "m", "source": "x"}], "default_tier": "b",
-        "tiers": {"a": {"priority": 0, "objectives": {"ttft_p95_ms": 800}},
-                  "a2": {"priority": 0, "objectives": {"ttft_p95_ms": 500}},
-                  "b": {"priority": 5, "objectives": {"ttft_p95_ms": 100}}},
+    cfg = app_config(default_tier="b", tiers={
+        "a": tier(0, objectives={"ttft_p95_ms": 800}),
+        "a2": tier(0, objectives={"ttft_p95_ms": 500}),
+        "b": tier(5, objectives={"ttft_p95_ms": 100}),
     })
     assert top_tier_objective_s(cfg) == 0.5
 
@@ -380,11 +380,10 @@ def test_top_tier_objective_is_the_tightest_of_the_top_priority() -> None:
 def test_build_app_passes_the_top_tier_objective() -> None:
     from ray.serve._private.build_app import build_app as ray_build_app
 
-    cfg = AppConfig.model_validate({
-        "models": [{"id": "m", "source": "x", "deployment": {"autoscaling_config": {
-            "max_replicas": 2, "objective_policy": {}}}}],
-        "default_tier": "p", "tiers": {"p": {"priority": 0, "objectives": {"ttft_p95_ms": 400}}},
-    })
+    cfg = app_config(
+        model_doc(deployment={"autoscaling_config": {"max_replicas": 2, "objective_policy": {}}}),
+        default_tier="p", tiers={"p": tier(0, objectives={"ttft_p95_ms": 400})},
+    )
     built = ray_build_app(build_app(cfg), name="llm")
     model = next(dep for dep in built.deployments if dep.name == "model-m")
     auto = model._deployment_config.autoscaling_config

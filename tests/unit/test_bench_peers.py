@@ -3,12 +3,10 @@ given to each peer, the side-by-side report, and the capacity rule of the gatewa
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from loadtests.bench import gateway as bench_gateway
 from loadtests.bench import peers as bench_peers
@@ -16,14 +14,10 @@ from loadtests.bench import prefix as bench_prefix
 from loadtests.bench import report as report
 from loadtests.bench import run as bench
 from serve_app.config import AppConfig
+from tests.unit.builders import shipped_args
 
-ROOT = Path(__file__).resolve().parents[2]
 ENGINE_KW = {"model": "/m/tiny", "served_model_name": ["tiny-chat"], "dtype": "float32",
              "max_num_seqs": 64, "enforce_eager": True}
-
-
-def local_args() -> dict[str, Any]:
-    return copy.deepcopy(yaml.safe_load((ROOT / "configs/local.yaml").read_text())["applications"][0]["args"])
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -146,7 +140,7 @@ def test_the_chart_is_written(tmp_path: Path) -> None:
 @pytest.mark.parametrize("path", ["deployment", "in-gateway"])
 @pytest.mark.parametrize("replicas", [1, 4])
 def test_gateway_bench_config_is_valid_with_a_synthetic_model(replicas: int, path: str) -> None:
-    args = local_args()
+    args = shipped_args()
     bench_gateway.synthetic_edit(replicas, 100.0, 20.0, path)(args)
     cfg = AppConfig.model_validate(args)
     [model] = cfg.models
@@ -168,7 +162,7 @@ def test_capacity_is_the_largest_step_within_the_ttft_budget_over_the_floor() ->
 
 
 def test_prefix_bench_serves_the_model_with_caching_on_and_off() -> None:
-    args = local_args()
+    args = shipped_args()
     bench_prefix.two_models_edit(args)
     cfg = AppConfig.model_validate(args)
     on, off = cfg.model(bench_prefix.CACHED), cfg.model(bench_prefix.UNCACHED)

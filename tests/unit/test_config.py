@@ -21,20 +21,10 @@ from serve_app.config import (
     format_validation_error,
     load_app_config,
 )
+from tests.unit.builders import DIGEST, app_doc, model_doc
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 CONFIG_FILES = sorted(CONFIGS_DIR.glob("*.yaml")) + sorted(CONFIGS_DIR.glob("*.yml"))
-DIGEST = "sha256:" + "0" * 64
-
-
-def _model(**over: Any) -> dict[str, Any]:
-    return {"id": "tiny-chat", "source": "builtin:tiny-chat", **over}
-
-
-def _app(*models: dict[str, Any], **over: Any) -> dict[str, Any]:
-    return {"models": list(models) or [_model()], **over}
-
-
 def _messages(exc_info: pytest.ExceptionInfo[ValidationError], root: str = "") -> str:
     return format_validation_error(exc_info.value, root)
 
@@ -47,9 +37,9 @@ def _messages(exc_info: pytest.ExceptionInfo[ValidationError], root: str = "") -
         (AutoscalingConfig, {"max_replica": 2}, "max_replica"),
         (DeploymentOptions, {"replicas": 2}, "replicas"),
         (Accelerator, {"gpus": 1}, "gpus"),
-        (ModelConfig, _model(engin={}), "engin"),
+        (ModelConfig, model_doc(engin={}), "engin"),
         (GatewayConfig, {"keysfile": "k.yaml"}, "keysfile"),
-        (AppConfig, _app(gatway={}), "gatway"),
+        (AppConfig, app_doc(gatway={}), "gatway"),
     ],
 )
 def test_unknown_field_is_rejected_by_name(cls: type, data: dict[str, Any], field: str) -> None:
@@ -61,7 +51,7 @@ def test_unknown_field_is_rejected_by_name(cls: type, data: dict[str, Any], fiel
 
 
 def test_nested_typo_is_reported_with_dotted_location() -> None:
-    data = _app(_model(engine={"max_num_seq": 8}))
+    data = app_doc(model_doc(engine={"max_num_seq": 8}))
     with pytest.raises(ValidationError) as exc_info:
         AppConfig.model_validate(data)
     assert "models.0.engine.max_num_seq: Extra inputs are not permitted (got 8)" in (
@@ -70,7 +60,7 @@ def test_nested_typo_is_reported_with_dotted_location() -> None:
 
 
 def test_format_validation_error_prefixes_root_and_shows_bad_value() -> None:
-    data = _app(_model(engine={"max_num_seqs": 0}))
+    data = app_doc(model_doc(engine={"max_num_seqs": 0}))
     with pytest.raises(ValidationError) as exc_info:
         AppConfig.model_validate(data)
     assert "args.models.0.engine.max_num_seqs: Input should be greater than 0 (got 0)" in (
@@ -79,7 +69,7 @@ def test_format_validation_error_prefixes_root_and_shows_bad_value() -> None:
 
 
 def test_format_validation_error_one_line_per_problem() -> None:
-    data = _app(_model(engine={"max_num_seqs": 0, "dtype": "int3"}))
+    data = app_doc(model_doc(engine={"max_num_seqs": 0, "dtype": "int3"}))
     with pytest.raises(ValidationError) as exc_info:
         AppConfig.model_validate(data)
     # pydantic also reports the now-empty models tuple; only the engine lines matter here.
@@ -91,7 +81,7 @@ def test_format_validation_error_one_line_per_problem() -> None:
 
 def test_single_typo_gives_a_single_error_line() -> None:
     with pytest.raises(ValidationError) as exc_info:
-        AppConfig.model_validate(_app(_model(engine={"max_num_seq": 8})))
+        AppConfig.model_validate(app_doc(model_doc(engine={"max_num_seq": 8})))
     assert _messages(exc_info).splitlines() == [
         "models.0.engine.max_num_seq: Extra inputs are not permitted (got 8)"
     ]
@@ -105,7 +95,7 @@ def test_autoscaling_max_below_min_names_both_values() -> None:
 
 
 def test_autoscaling_error_is_located_under_the_model() -> None:
-    data = _app(_model(deployment={"autoscaling_config": {"min_replicas": 2, "max_replicas": 1}}))
+    data = app_doc(model_doc(deployment={"autoscaling_config": {"min_replicas": 2, "max_replicas": 1}}))
     with pytest.raises(ValidationError) as exc_info:
         AppConfig.model_validate(data)
     assert (
@@ -170,7 +160,7 @@ def test_gpu_memory_utilization_bounds(util: float) -> None:
 
 
 def test_cpu_model_refuses_ray_executor_backend() -> None:
-    data = _model(engine={"distributed_executor_backend": "ray", "tensor_parallel_size": 2})
+    data = model_doc(engine={"distributed_executor_backend": "ray", "tensor_parallel_size": 2})
     with pytest.raises(ValidationError) as exc_info:
         ModelConfig.model_validate(data)
     text = _messages(exc_info)
@@ -179,7 +169,7 @@ def test_cpu_model_refuses_ray_executor_backend() -> None:
 
 def test_gpu_model_accepts_ray_executor_backend() -> None:
     m = ModelConfig.model_validate(
-        _model(engine={"distributed_executor_backend": "ray"}, accelerator={"kind": "gpu"})
+        model_doc(engine={"distributed_executor_backend": "ray"}, accelerator={"kind": "gpu"})
     )
     assert m.engine.distributed_executor_backend == "ray"
 
@@ -208,13 +198,13 @@ _RESERVE_OK = {"max_num_seqs": 8, "scheduling_policy": "priority"}
 )
 def test_reserved_slots_must_fit_a_priority_generate_engine(over: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError) as exc_info:
-        ModelConfig.model_validate(_model(admission={"reserved_slots": 2}, **over))
+        ModelConfig.model_validate(model_doc(admission={"reserved_slots": 2}, **over))
     assert message in _messages(exc_info)
 
 
 def test_reserved_slots_are_for_the_best_tier_priority() -> None:
-    m = _model(admission={"reserved_slots": 2}, engine=_RESERVE_OK)
-    cfg = AppConfig.model_validate(_app(m, default_tier="batch", tiers={
+    m = model_doc(admission={"reserved_slots": 2}, engine=_RESERVE_OK)
+    cfg = AppConfig.model_validate(app_doc(m, default_tier="batch", tiers={
         "batch": {"priority": 10}, "premium": {"priority": -1}, "standard": {"priority": 0}}))
     assert cfg.models[0].admission.reserved_slots == 2
     assert cfg.top_priority == -1
@@ -222,7 +212,7 @@ def test_reserved_slots_are_for_the_best_tier_priority() -> None:
 
 def test_world_size_is_tp_times_pp() -> None:
     m = ModelConfig.model_validate(
-        _model(engine={"tensor_parallel_size": 2, "pipeline_parallel_size": 3})
+        model_doc(engine={"tensor_parallel_size": 2, "pipeline_parallel_size": 3})
     )
     assert m.world_size == 6
 
@@ -230,13 +220,13 @@ def test_world_size_is_tp_times_pp() -> None:
 @pytest.mark.parametrize("bad_id", ["", "-leading-dash", "has space", "x" * 200])
 def test_model_id_pattern(bad_id: str) -> None:
     with pytest.raises(ValidationError) as exc_info:
-        ModelConfig.model_validate(_model(id=bad_id))
+        ModelConfig.model_validate(model_doc(id=bad_id))
     assert _messages(exc_info).startswith("id:")
 
 
 def test_bad_alias_is_named() -> None:
     with pytest.raises(ValidationError) as exc_info:
-        ModelConfig.model_validate(_model(aliases=["ok", "not ok"]))
+        ModelConfig.model_validate(model_doc(aliases=["ok", "not ok"]))
     assert "alias ('not ok')" in _messages(exc_info)
 
 
@@ -249,19 +239,19 @@ def test_app_needs_at_least_one_model() -> None:
 
 def test_duplicate_model_ids_rejected() -> None:
     with pytest.raises(ValidationError) as exc_info:
-        AppConfig.model_validate(_app(_model(id="a"), _model(id="a", source="other")))
+        AppConfig.model_validate(app_doc(model_doc(id="a"), model_doc(id="a", source="other")))
     assert "model name ('a') of model 'a' is already used by model 'a'" in _messages(exc_info)
 
 
 def test_alias_clashing_with_other_model_id_rejected() -> None:
-    data = _app(_model(id="a"), _model(id="b", aliases=["a"]))
+    data = app_doc(model_doc(id="a"), model_doc(id="b", aliases=["a"]))
     with pytest.raises(ValidationError) as exc_info:
         AppConfig.model_validate(data)
     assert "model name ('a') of model 'b' is already used by model 'a'" in _messages(exc_info)
 
 
 def test_duplicate_alias_across_models_rejected() -> None:
-    data = _app(_model(id="a", aliases=["x"]), _model(id="b", aliases=["x"]))
+    data = app_doc(model_doc(id="a", aliases=["x"]), model_doc(id="b", aliases=["x"]))
     with pytest.raises(ValidationError) as exc_info:
         AppConfig.model_validate(data)
     assert "model name ('x')" in _messages(exc_info)
@@ -269,19 +259,19 @@ def test_duplicate_alias_across_models_rejected() -> None:
 
 def test_default_tier_must_exist() -> None:
     with pytest.raises(ValidationError) as exc_info:
-        AppConfig.model_validate(_app(tiers={"premium": {"priority": 1}}))
+        AppConfig.model_validate(app_doc(tiers={"premium": {"priority": 1}}))
     assert "default_tier ('standard') is not one of tiers ['premium']" in _messages(exc_info)
 
 
 def test_model_lookup_by_id() -> None:
-    cfg = AppConfig.model_validate(_app(_model(id="a"), _model(id="b")))
+    cfg = AppConfig.model_validate(app_doc(model_doc(id="a"), model_doc(id="b")))
     assert cfg.model("b").id == "b"
     with pytest.raises(KeyError):
         cfg.model("missing")
 
 
 def test_config_is_frozen() -> None:
-    cfg = AppConfig.model_validate(_app())
+    cfg = AppConfig.model_validate(app_doc())
     with pytest.raises(ValidationError):
         cfg.default_tier = "premium"  # type: ignore[misc]
 
@@ -308,8 +298,8 @@ def _write_serve_config(path: Path, *apps: dict[str, Any]) -> Path:
 def test_load_app_config_picks_named_application(tmp_path: Path) -> None:
     p = _write_serve_config(
         tmp_path / "c.yaml",
-        {"name": "one", "args": _app(_model(id="first"))},
-        {"name": "two", "args": _app(_model(id="second"))},
+        {"name": "one", "args": app_doc(model_doc(id="first"))},
+        {"name": "two", "args": app_doc(model_doc(id="second"))},
     )
     assert load_app_config(p).models[0].id == "first"
     assert load_app_config(p, "two").models[0].id == "second"

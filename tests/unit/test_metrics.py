@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from serve_app import metrics
 from serve_app.config import AppConfig
 from serve_app.metrics import GatewayMetrics, objective_buckets
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _cfg() -> AppConfig:
-    doc = yaml.safe_load((ROOT / "configs/local.yaml").read_text())
-    return AppConfig.model_validate(doc["applications"][0]["args"])
+from tests.unit.builders import shipped_args, shipped_config
 
 
 class _Recorder:
@@ -36,7 +28,7 @@ def _fake() -> GatewayMetrics:
 
 
 def test_every_tier_objective_is_a_bucket_boundary() -> None:
-    cfg = _cfg()
+    cfg = shipped_config()
     ttft, tpot = objective_buckets(cfg)
     for tier in cfg.tiers.values():
         assert tier.objectives.ttft_p95_ms / 1000 in ttft
@@ -47,7 +39,7 @@ def test_every_tier_objective_is_a_bucket_boundary() -> None:
 
 
 def test_a_new_objective_gets_its_bucket() -> None:
-    doc = yaml.safe_load((ROOT / "configs/local.yaml").read_text())["applications"][0]["args"]
+    doc = shipped_args()
     doc["tiers"]["gold"] = {"priority": 1, "objectives": {"ttft_p95_ms": 777, "tpot_p95_ms": 42}}
     ttft, tpot = objective_buckets(AppConfig.model_validate(doc))
     assert 0.777 in ttft and 0.042 in tpot
@@ -70,7 +62,7 @@ def test_create_passes_objective_buckets_to_ray(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(metrics, "Histogram", Hist)
     monkeypatch.setattr(metrics, "Counter", Ctr)
-    GatewayMetrics.create(_cfg())
+    GatewayMetrics.create(shipped_config())
     assert 15.0 in made["serve_app_ttft_seconds"] and 0.15 in made["serve_app_tpot_seconds"]
     assert made["serve_app_goodput_total"] == ("key_id", "tier", "model")
 

@@ -17,7 +17,6 @@ from pydantic import ValidationError
 from ray.serve._private.common import DeploymentID, ReplicaID
 
 from serve_app.app import model_deployment_options
-from serve_app.config import ModelConfig
 from serve_app.engine import router as router_mod
 from serve_app.engine.router import (
     ROUTER_PATH,
@@ -29,6 +28,7 @@ from serve_app.engine.router import (
 )
 from serve_app.gateway.routing import affinity
 from serve_app.protocol import ENDPOINTS, RequestContext
+from tests.unit.builders import model
 
 REPLICAS = [f"r{i}" for i in range(4)]
 KEYS = [f"tenant-{t}/session-{s}" for t in range(50) for s in range(4)]
@@ -284,31 +284,27 @@ def test_the_key_carries_no_session_or_prompt_text() -> None:
 
 
 # ---- config and wiring -------------------------------------------------------------------------------
-def _model(**over: Any) -> ModelConfig:
-    return ModelConfig.model_validate({"id": "m", "source": "x", **over})
-
-
 def test_auto_is_on_for_chat_models_with_more_than_one_replica() -> None:
-    assert not _model().affinity_routing
-    assert _model(deployment={"num_replicas": 2}).affinity_routing
-    assert _model(deployment={"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}).affinity_routing
-    assert not _model(task="embed", deployment={"num_replicas": 2}).affinity_routing
-    assert not _model(deployment={"num_replicas": 2}, routing={"affinity": "off"}).affinity_routing
-    assert _model(routing={"affinity": "on"}).affinity_routing
+    assert not model().affinity_routing
+    assert model(deployment={"num_replicas": 2}).affinity_routing
+    assert model(deployment={"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}).affinity_routing
+    assert not model(task="embed", deployment={"num_replicas": 2}).affinity_routing
+    assert not model(deployment={"num_replicas": 2}, routing={"affinity": "off"}).affinity_routing
+    assert model(routing={"affinity": "on"}).affinity_routing
 
 
 def test_routing_config_is_validated() -> None:
     with pytest.raises(ValidationError, match="load_factor"):
-        _model(routing={"load_factor": 0.5})
+        model(routing={"load_factor": 0.5})
     with pytest.raises(ValidationError, match="routing.affinity \\('on'\\) needs a generate model"):
-        _model(task="embed", routing={"affinity": "on"})
+        model(task="embed", routing={"affinity": "on"})
     with pytest.raises(ValidationError, match="extra"):
-        _model(routing={"affinty": "on"})
+        model(routing={"affinty": "on"})
 
 
 def test_deployment_gets_the_router_only_when_on() -> None:
-    assert "request_router_config" not in model_deployment_options(_model())
-    opts = model_deployment_options(_model(deployment={"num_replicas": 2},
+    assert "request_router_config" not in model_deployment_options(model())
+    opts = model_deployment_options(model(deployment={"num_replicas": 2},
                                            routing={"load_factor": 1.5}))
     rrc = opts["request_router_config"]
     assert rrc.request_router_class == ROUTER_PATH
@@ -323,5 +319,5 @@ def test_ray_serve_accepts_the_router_option() -> None:
 
     from serve_app.engine.deployment import ModelServer
 
-    opts = model_deployment_options(_model(deployment={"num_replicas": 2}))
+    opts = model_deployment_options(model(deployment={"num_replicas": 2}))
     cast(Deployment, ModelServer).options(**opts)

@@ -16,23 +16,20 @@ import pytest
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from serve_app import errors
-from serve_app.config import EngineArgs, ModelConfig, load_app_config
+from serve_app.config import EngineArgs, load_app_config
 from serve_app.engine.adapter import to_openai_error, validation_error
 from serve_app.engine.clients import TokenMeter, current_meter
 from serve_app.engine.coalesce import Coalescer
 from serve_app.engine.server import EngineServer
 from serve_app.protocol import SSE_DONE
+from tests.unit.builders import model
 
 CONFIG_FILES = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.y*ml"))
 
 
-def _cfg(**over: Any) -> ModelConfig:
-    return ModelConfig.model_validate({"id": "tiny-chat", "source": "builtin:tiny-chat", **over})
-
-
 # ---- engine_kwargs -----------------------------------------------------------------------------
 def test_engine_kwargs_names_the_model_and_path() -> None:
-    kw = _cfg(engine={"max_num_seqs": 8}).engine_kwargs("/models/tiny")
+    kw = model(id="tiny-chat", engine={"max_num_seqs": 8}).engine_kwargs("/models/tiny")
     assert kw["model"] == "/models/tiny"
     assert kw["served_model_name"] == ["tiny-chat"]
     assert kw["max_num_seqs"] == 8
@@ -41,31 +38,31 @@ def test_engine_kwargs_names_the_model_and_path() -> None:
 
 
 def test_engine_kwargs_drops_unset_optionals_but_keeps_seed_zero() -> None:
-    kw = _cfg().engine_kwargs("/m")
+    kw = model().engine_kwargs("/m")
     assert "max_model_len" not in kw and "quantization" not in kw
     assert kw["seed"] == 0
 
 
 def test_engine_kwargs_embed_uses_pooling_runner() -> None:
-    assert _cfg(task="embed").engine_kwargs("/m")["runner"] == "pooling"
+    assert model(task="embed").engine_kwargs("/m")["runner"] == "pooling"
 
 
 def test_engine_kwargs_tp_on_cpu_uses_mp() -> None:
-    kw = _cfg(engine={"tensor_parallel_size": 2}).engine_kwargs("/m")
+    kw = model(engine={"tensor_parallel_size": 2}).engine_kwargs("/m")
     assert kw["distributed_executor_backend"] == "mp"
 
 
 def test_engine_kwargs_tp_on_gpu_uses_ray() -> None:
-    kw = _cfg(engine={"tensor_parallel_size": 2}, accelerator={"kind": "gpu"}).engine_kwargs("/m")
+    kw = model(engine={"tensor_parallel_size": 2}, accelerator={"kind": "gpu"}).engine_kwargs("/m")
     assert kw["distributed_executor_backend"] == "ray"
 
 
 def test_engine_kwargs_single_worker_leaves_backend_to_vllm() -> None:
-    assert "distributed_executor_backend" not in _cfg().engine_kwargs("/m")
+    assert "distributed_executor_backend" not in model().engine_kwargs("/m")
 
 
 def test_engine_kwargs_keeps_explicit_backend() -> None:
-    cfg = _cfg(
+    cfg = model(
         engine={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
         accelerator={"kind": "gpu"},
     )
@@ -73,7 +70,7 @@ def test_engine_kwargs_keeps_explicit_backend() -> None:
 
 
 def test_engine_kwargs_passes_extra_through() -> None:
-    kw = _cfg(engine={"extra": {"swap_space": 2, "max_logprobs": 5}}).engine_kwargs("/m")
+    kw = model(engine={"extra": {"swap_space": 2, "max_logprobs": 5}}).engine_kwargs("/m")
     assert kw["swap_space"] == 2 and kw["max_logprobs"] == 5
 
 
@@ -167,7 +164,7 @@ def test_validation_error_drops_union_member_class_name() -> None:
 
 # ---- coalesce ----------------------------------------------------------------------------------
 def _server() -> EngineServer:
-    return EngineServer(_cfg(), "/dummy/path")
+    return EngineServer(model(), "/dummy/path")
 
 
 def _coalesce(source: AsyncIterator[Any], wants_usage: bool = True,

@@ -10,16 +10,12 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from serve_app.config import AppConfig, ModelConfig
 from serve_app.engine.synthetic import FINGERPRINT, SyntheticServer
 from serve_app.protocol import ENDPOINTS, SSE_DONE, RequestContext
+from tests.unit.builders import app_config, model
 
 CTX = RequestContext(request_id="r1", key_id="k", tier="standard")
-
-
-def _cfg(**over: Any) -> ModelConfig:
-    return ModelConfig.model_validate({"id": "synth", "source": "synthetic",
-                                       "synthetic": {"tokens_per_s": 200, "ttft_ms": 30}, **over})
+SYNTHETIC = {"tokens_per_s": 200, "ttft_ms": 30}
 
 
 async def _collect(server: SyntheticServer, endpoint: str, body: dict[str, Any]) -> tuple[list[Any], float]:
@@ -39,7 +35,7 @@ def _events(data: bytes) -> list[dict[str, Any]]:
 
 
 def test_a_stream_waits_ttft_then_sends_every_token_labelled_synthetic() -> None:
-    server = SyntheticServer(_cfg(stream_interval_ms=20))
+    server = SyntheticServer(model(synthetic=SYNTHETIC, stream_interval_ms=20))
     body = {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 24, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.monotonic()
@@ -67,7 +63,7 @@ def test_a_stream_waits_ttft_then_sends_every_token_labelled_synthetic() -> None
 
 
 def test_without_include_usage_the_stream_has_no_usage_chunk() -> None:
-    server = SyntheticServer(_cfg(stream_interval_ms=0))
+    server = SyntheticServer(model(synthetic=SYNTHETIC, stream_interval_ms=0))
     items, _ = asyncio.run(_collect(server, "completions", {"prompt": "hi", "max_tokens": 3, "stream": True}))
     data = items[0]["body"] + b"".join(c[0] for c in items[1:-1])
     events = _events(data)
@@ -76,7 +72,7 @@ def test_without_include_usage_the_stream_has_no_usage_chunk() -> None:
 
 
 def test_a_complete_answer_carries_usage() -> None:
-    server = SyntheticServer(_cfg())
+    server = SyntheticServer(model(synthetic=SYNTHETIC))
     [head], _ = asyncio.run(_collect(server, "chat", {"messages": [], "max_tokens": 5}))
     doc = json.loads(head["body"])
     assert doc["choices"][0]["message"]["content"] == "synthetic " * 5
@@ -85,7 +81,7 @@ def test_a_complete_answer_carries_usage() -> None:
 
 
 def test_other_endpoints_and_bad_max_tokens_are_openai_errors() -> None:
-    server = SyntheticServer(_cfg())
+    server = SyntheticServer(model(synthetic=SYNTHETIC))
     [head], _ = asyncio.run(_collect(server, "embeddings", {"input": "x"}))
     assert head["status"] == 400 and json.loads(head["body"])["error"]["param"] == "model"
     [head], _ = asyncio.run(_collect(server, "chat", {"messages": [], "max_tokens": -1}))
@@ -93,12 +89,13 @@ def test_other_endpoints_and_bad_max_tokens_are_openai_errors() -> None:
 
 
 def test_config_is_strict_and_needs_a_generate_model() -> None:
-    assert _cfg().synthetic is not None and _cfg().synthetic.tokens_per_s == 200
+    m = model(synthetic=SYNTHETIC)
+    assert m.synthetic is not None and m.synthetic.tokens_per_s == 200
     with pytest.raises(ValidationError, match="tokens_per_s"):
-        _cfg(synthetic={"tokens_per_s": 0})
+        model(synthetic={"tokens_per_s": 0})
     with pytest.raises(ValidationError, match="extra"):
-        _cfg(synthetic={"tokens_per_s": 10, "burst": 3})
+        model(synthetic={"tokens_per_s": 10, "burst": 3})
     with pytest.raises(ValidationError, match="synthetic needs task 'generate'"):
-        _cfg(task="embed")
-    AppConfig.model_validate({"models": [_cfg().model_dump(mode="json")]})
-    assert ModelConfig.model_validate({"id": "m", "source": "x"}).synthetic is None
+        model(synthetic=SYNTHETIC, task="embed")
+    app_config(m.model_dump(mode="json"))
+    assert model().synthetic is None
