@@ -100,7 +100,9 @@ class LocalStack:
         that cannot be read raises KeysFileError before anything starts."""
         secret_file = self.keys_file.parent / "demo-key.secret"
         if self.cfg.gateway.keys_store == "file":
-            gw = self.cfg.gateway.model_copy(update={"keys_file": str(self.keys_file)})
+            # The launcher's own file: its demo key is written even where the admin API may not.
+            gw = self.cfg.gateway.model_copy(update={"keys_file": str(self.keys_file),
+                                                     "keys_read_only": False})
             self.secret = demo_key_in(gw, secret_file)
         self._start_state_store()
         if self.cfg.gateway.keys_store != "file":  # in the store the state dir holds
