@@ -12,7 +12,6 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -21,20 +20,12 @@ from ray.serve._private import constants as serve_constants
 
 from serve_app.config import AppConfig
 from serve_app.gateway.accounting.audit import Audit
-from serve_app.gateway.accounting.usage import (
-    MemoryUsageStore,
-    RedisUsageStore,
-    SqliteUsageStore,
-    Usage,
-    UsageStore,
-)
+from serve_app.gateway.accounting.usage import Usage
 from serve_app.gateway.admission.admission import Admission
-from serve_app.gateway.admission.budgets import open_budgets
+from serve_app.gateway.admission.budgets import Budgets
 from serve_app.gateway.admission.drain import Drain
-from serve_app.gateway.admission.limits import open_backend as open_limits
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.http.api import GatewayDeps, build_api
-from serve_app.gateway.keys.store import open_key_store
 from serve_app.gateway.outage import OutageGuard
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing.replicas import LiveReplicas, serve_status_fetch
@@ -42,6 +33,8 @@ from serve_app.gateway.routing.router import Router
 from serve_app.metrics import AuditMetrics, FlowMetrics, GatewayMetrics, ProcessMetrics, StageMetrics
 from serve_app.runtime import logflush, niceness
 from serve_app.runtime.procwatch import LoopWatch
+from serve_app.state import open_state
+from serve_app.state.keys import keep_fresh
 
 if TYPE_CHECKING:
     from serve_app.gateway.accounting.otel import StageSpans
@@ -74,21 +67,16 @@ class Gateway:
             handles = {**handles, served.id: self.local}
             # Its running replicas are this deployment's.
             deployments[served.id] = serve.get_replica_context().deployment
-        redis_url = cfg.gateway.redis_url
-        backend = open_limits(cfg.gateway)
-        store: UsageStore = RedisUsageStore(redis_url) if redis_url else MemoryUsageStore()
-        state_dir = Path(cfg.gateway.state_dir) if cfg.gateway.state_dir else None
-        if not redis_url and state_dir is not None:  # durable on one host without Redis
-            store = SqliteUsageStore(state_dir / "usage.sqlite")
-        self.budgets = open_budgets(cfg.gateway, time.time)
+        # Every connection and store of this replica; the lifespan closes it once.
+        self.state = state = open_state(cfg)
+        self.budgets = Budgets(state.budgets, dict(cfg.gateway.tenant_budgets), time.time)
         router = Router(cfg)
         self.spans: StageSpans | None = None
         if cfg.gateway.otlp_endpoint:  # opentelemetry is imported only when it is configured
             from serve_app.gateway.accounting.otel import StageSpans as Spans
 
             self.spans = Spans.otlp(cfg.gateway.otlp_endpoint)
-        usage = Usage(store, GatewayMetrics.create(cfg), StageMetrics.create(), self.spans)
-        self.backend, self.store = backend, store
+        usage = Usage(state.usage, GatewayMetrics.create(cfg), StageMetrics.create(), self.spans)
         self.niceness = cfg.gateway.front_end_niceness
         process_metrics = ProcessMetrics.for_this_replica("gateway")
         self.watch = LoopWatch(process_metrics)
@@ -100,21 +88,20 @@ class Gateway:
             cfg.gateway.replicas_refresh_s,
         )
         self.replicas.start()
-        self.admission = Admission(cfg, backend, self.replicas)
+        self.admission = Admission(cfg, state.limits, self.replicas)
         self.admission.flow.attach(FlowMetrics.for_this_replica())
         outage = OutageGuard(cfg.gateway.unavailable_hold_s, self.replicas)
         drain = Drain(cfg.gateway.drain_timeout_s, self.replicas)
         forwarder = Forwarder(handles, cfg.gateway, outage, drain)
         self.deps = GatewayDeps(
             cfg=cfg,
-            keys=open_key_store(cfg.gateway),
+            keys=state.keys,
             router=router,
             pipeline=Pipeline(cfg, router, self.admission, forwarder, usage, self.budgets),
             usage=usage,
             trust_arrival_stamp=serve_constants.RAY_SERVE_ENABLE_HA_PROXY,
             created=int(time.time()) if created is None else created,
-            audit=Audit(state_dir / "audit.log" if state_dir else None, cfg.gateway.audit_max_bytes,
-                        AuditMetrics.create()),
+            audit=Audit(state.audit, AuditMetrics.create()),
             budgets=self.budgets,
         )
         # OpenAI's Batch API: its routes' service, and this replica's runner, which feeds the
@@ -130,7 +117,10 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         """While the replica serves: its loop and CPU watched, the front end kept at
-        ``gateway.front_end_niceness``; at its stop the Redis clients give their connections back."""
+        ``gateway.front_end_niceness``; at its stop the state's connections are given back."""
+        # The keys are loaded before the replica serves, then polled (lookups answer from memory).
+        await self.deps.keys.refresh(force=True)
+        keys_poll = asyncio.get_running_loop().create_task(keep_fresh(self.deps.keys))
         self.watch.start()
         nice = asyncio.get_running_loop().create_task(self._keep_niceness())
         self.batch_runner.start()
@@ -138,13 +128,11 @@ class Gateway:
             yield
         finally:
             nice.cancel()
+            keys_poll.cancel()
             await self.batch_runner.stop()
             await self.batch_runner.store.close()
             await self.watch.stop()
-            await self.backend.close()
-            await self.store.close()
-            await self.budgets.backend.close()
-            self.deps.keys.close()
+            await self.state.close()
             if self.spans is not None:
                 self.spans.shutdown()
 

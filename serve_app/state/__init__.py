@@ -1,2 +1,62 @@
 """The state layer: ``open_state(cfg)`` opens every connection (``connections``) and the typed
 stores built on them. Nothing else under ``serve_app`` builds a Redis client or a SQLite connection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from serve_app.config import AppConfig
+from serve_app.state.audit import AUDIT_FILE, AuditFile
+from serve_app.state.budgets import BudgetBackend, MemoryBudgets, RedisBudgets, SqliteBudgets
+from serve_app.state.connections import Connections
+from serve_app.state.keys import KeyStore, open_key_store
+from serve_app.state.limits import LimitBackend, open_limits
+from serve_app.state.usage import (
+    USAGE_FILE,
+    MemoryUsageStore,
+    RedisUsageStore,
+    SqliteUsageStore,
+    UsageStore,
+)
+
+
+@dataclass
+class State:
+    """One process's connections and the stores on them; ``close`` gives the connections back
+    (the stores own none of their own)."""
+
+    connections: Connections
+    usage: UsageStore
+    budgets: BudgetBackend
+    limits: LimitBackend
+    audit: AuditFile | None  # None without a state_dir: audit events are only counted
+    keys: KeyStore
+
+    async def close(self) -> None:
+        """At the replica's stop; safe to call twice."""
+        await self.connections.close()
+
+
+def open_state(cfg: AppConfig) -> State:
+    """The stores ``cfg`` asks for. Usage and budgets: Redis when replicas share one
+    (``gateway.redis_url``), else SQLite in ``gateway.state_dir`` (one file, one connection, for
+    both), else memory. Limits: by ``gateway.limits_store`` (``state/limits.py``). The audit
+    trail: ``<state_dir>/audit.log``. Keys: by ``gateway.keys_store``, not yet loaded
+    (``await state.keys.refresh(force=True)``)."""
+    gw = cfg.gateway
+    state_dir = Path(gw.state_dir) if gw.state_dir else None
+    connections = Connections(gw.redis_url, state_dir)
+    usage: UsageStore
+    budgets: BudgetBackend
+    if gw.redis_url:
+        usage, budgets = RedisUsageStore(connections.redis()), RedisBudgets(connections.redis())
+    elif gw.state_dir:  # durable on one host without Redis
+        usage_file = connections.sqlite(USAGE_FILE)
+        usage, budgets = SqliteUsageStore(usage_file), SqliteBudgets(usage_file)
+    else:
+        usage, budgets = MemoryUsageStore(), MemoryBudgets()
+    audit = AuditFile(state_dir / AUDIT_FILE, gw.audit_max_bytes) if state_dir else None
+    return State(connections=connections, usage=usage, budgets=budgets,
+                 limits=open_limits(gw, connections), audit=audit,
+                 keys=open_key_store(gw, connections))

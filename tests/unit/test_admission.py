@@ -10,7 +10,7 @@ import pytest
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord, ModelConfig
 from serve_app.gateway.admission.admission import Admission
-from serve_app.gateway.admission.limits import Charge, MemoryBackend, Verdict
+from serve_app.state.limits import Charge, MemoryBackend, Verdict
 
 DIGEST = "sha256:" + "0" * 64
 

@@ -8,8 +8,8 @@ import asyncio
 
 from serve_app.config import AppConfig, KeyRecord
 from serve_app.gateway.admission.admission import Admission
-from serve_app.gateway.admission.limits import MemoryBackend
 from serve_app.gateway.admission.tiers import DEFAULT_RESERVE_TOKENS
+from serve_app.state.limits import MemoryBackend
 
 KEY = KeyRecord(id="agent", digest="sha256:" + "0" * 64, tier="standard")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from serve_app.gateway.accounting.audit import Audit
+from serve_app.state.audit import AuditFile
 
 
 class Counted:
@@ -17,7 +18,7 @@ class Counted:
 
 def test_lines_hold_who_did_what(tmp_path: Path) -> None:
     metrics = Counted()
-    audit = Audit(tmp_path / "audit.log", 1_000_000, metrics, clock=lambda: 0.0)
+    audit = Audit(AuditFile(tmp_path / "audit.log", 1_000_000), metrics, clock=lambda: 0.0)
     audit.record("key.create", actor="admin", target="team-a", result="ok")
     audit.record("auth_failed", actor=None, target=None, result="unknown", route="/v1/models")
     assert audit.lines() == [
@@ -30,7 +31,7 @@ def test_lines_hold_who_did_what(tmp_path: Path) -> None:
 
 
 def test_the_file_is_bounded(tmp_path: Path) -> None:
-    audit = Audit(tmp_path / "audit.log", 500)
+    audit = Audit(AuditFile(tmp_path / "audit.log", 500))
     for i in range(100):
         audit.record("key.get", actor="admin", target=f"k{i}", result="ok")
     sizes = [p.stat().st_size for p in tmp_path.iterdir()]

@@ -1,4 +1,5 @@
-"""serve_app.gateway.admission.budgets: reserve at admission, settle at the end, across replicas."""
+"""serve_app.gateway.admission.budgets over serve_app.state.budgets' counters: reserve at admission,
+settle at the end, across replicas."""
 
 from __future__ import annotations
 
@@ -10,33 +11,30 @@ import pytest
 
 from serve_app import errors
 from serve_app.config import Budget, KeyRecord
-from serve_app.gateway.admission.budgets import (
-    BudgetBackend,
-    Budgets,
-    MemoryBudgets,
-    RedisBudgets,
-    SqliteBudgets,
-    period,
-)
+from serve_app.gateway.admission.budgets import Budgets, period
+from serve_app.state.budgets import BudgetBackend, MemoryBudgets, RedisBudgets, SqliteBudgets
+from serve_app.state.connections import Connections
 
 NOW = 1_796_000_000.0  # 2026-11-30 00:53 UTC
 KEY = KeyRecord(id="k1", digest="sha256:" + "0" * 64, tenant="acme",
                 budget=Budget(tokens=10_000, period="day"))
 
 
-def _backend(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> BudgetBackend:
+def _backend(kind: str, conns: Connections) -> BudgetBackend:
     if kind == "memory":
         return MemoryBudgets()
     if kind == "sqlite":
-        return SqliteBudgets(tmp_path / "usage.sqlite")
-    return RedisBudgets(request.getfixturevalue("redis_url"), prefix=f"test:{uuid.uuid4().hex}:")
+        return SqliteBudgets(conns.sqlite("usage.sqlite"))
+    return RedisBudgets(conns.redis(), prefix=f"test:{uuid.uuid4().hex}:")
 
 
 @pytest.mark.parametrize("kind", ["memory", "sqlite", "redis"])
 def test_budget_is_spent_then_insufficient_quota(kind: str, tmp_path: Path,
                                                  request: pytest.FixtureRequest) -> None:
     async def main() -> None:
-        budgets = Budgets(_backend(kind, tmp_path, request), {}, lambda: NOW)
+        conns = Connections(request.getfixturevalue("redis_url") if kind == "redis" else None,
+                            tmp_path)
+        budgets = Budgets(_backend(kind, conns), {}, lambda: NOW)
         holds = []
         for _ in range(4):  # 4 x 3000 reserved: the 4th is admitted at 9000 < 10,000
             hold = await budgets.reserve(KEY, 3000)
@@ -53,18 +51,18 @@ def test_budget_is_spent_then_insufficient_quota(kind: str, tmp_path: Path,
         status = await budgets.status(KEY)
         assert status["key"]["used"] == 4000 and status["key"]["remaining"] == 6000
         assert await budgets.reserve(KEY, 100) is not None
-        await budgets.backend.close()
+        await conns.close()
 
     asyncio.run(main())
 
 
 def test_overshoot_is_bounded_by_the_requests_in_flight(tmp_path: Path) -> None:
-    """Concurrent admissions through two backends on one SQLite file (two replicas): the spend
+    """Concurrent admissions through two connections to one SQLite file (two replicas): the spend
     passes the budget by at most what was reserved by requests admitted below it."""
 
     async def main() -> int:
-        a = Budgets(SqliteBudgets(tmp_path / "u.sqlite"), {}, lambda: NOW)
-        b = Budgets(SqliteBudgets(tmp_path / "u.sqlite"), {}, lambda: NOW)
+        replicas = [Connections(None, tmp_path), Connections(None, tmp_path)]
+        a, b = (Budgets(SqliteBudgets(c.sqlite("u.sqlite")), {}, lambda: NOW) for c in replicas)
         admitted = 0
 
         async def one(budgets: Budgets) -> None:
@@ -79,6 +77,8 @@ def test_overshoot_is_bounded_by_the_requests_in_flight(tmp_path: Path) -> None:
             await hold.settle(500)
 
         await asyncio.gather(*(one(a if i % 2 else b) for i in range(60)))
+        for c in replicas:
+            await c.close()
         return admitted
 
     admitted = asyncio.run(main())

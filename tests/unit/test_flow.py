@@ -19,9 +19,9 @@ from serve_app.gateway.accounting.timing import StageClock
 from serve_app.gateway.admission.admission import Admission
 from serve_app.gateway.admission.capacity import Capacity
 from serve_app.gateway.admission.flow import Flow, Waiter
-from serve_app.gateway.admission.limits import MemoryBackend
 from serve_app.gateway.http.api import GatewayDeps, build_api
 from serve_app.ops.diagnose import flow_lines
+from serve_app.state.limits import MemoryBackend
 from tests.keys import create_key
 from tests.unit.test_api import FakeModels, _gateway_deps
 

@@ -14,14 +14,15 @@ from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
 from serve_app.gateway.accounting.timing import StageClock
 from serve_app.gateway.accounting.tracecontext import TraceContext
-from serve_app.gateway.accounting.usage import MemoryUsageStore, Usage
+from serve_app.gateway.accounting.usage import Usage
 from serve_app.gateway.admission.admission import Admission
 from serve_app.gateway.admission.ledger import Ledger, Outcome
-from serve_app.gateway.admission.limits import MemoryBackend
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing.router import Router
 from serve_app.protocol import ENDPOINTS, head, split_complete, tokens_of, trailer
+from serve_app.state.limits import MemoryBackend
+from serve_app.state.usage import MemoryUsageStore
 from tests.unit.fakes import HANG, FakeHandle, FakeStream
 from tests.unit.test_forward import _serve
 

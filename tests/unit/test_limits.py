@@ -8,15 +8,17 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.config import GatewayConfig
-from serve_app.gateway.admission.limits import Charge, MemoryBackend, RedisBackend, open_backend
+from serve_app.state.connections import Connections
+from serve_app.state.limits import Charge, MemoryBackend, RedisBackend, open_limits
 
 
 class _Lazy:
     """Creates the backend inside the test's event loop (redis clients bind to their loop)."""
 
-    def __init__(self, make):
+    def __init__(self, make, conns=None):
         self._make = make
         self._b = None
+        self.conns = conns
 
     def __getattr__(self, name):
         if self._b is None:
@@ -32,8 +34,8 @@ def backend(request: pytest.FixtureRequest):
     if request.param == "memory":
         lazy = _Lazy(MemoryBackend)
     else:
-        url = request.getfixturevalue("redis_url")
-        lazy = _Lazy(lambda: RedisBackend(url, prefix=f"test:{request.node.name}:"))
+        conns = Connections(request.getfixturevalue("redis_url"), None)
+        lazy = _Lazy(lambda: RedisBackend(conns.redis(), prefix=f"test:{request.node.name}:"), conns)
     _current[:] = [lazy]
     return lazy
 
@@ -44,9 +46,9 @@ def run(coro):
             return await coro
         finally:
             for lazy in _current:
-                if lazy._b is not None:
-                    await lazy._b.close()
-                    lazy._b = None
+                if lazy.conns is not None:
+                    await lazy.conns.close()
+                lazy._b = None
 
     return asyncio.run(with_close())
 
@@ -134,10 +136,10 @@ def test_concurrent_admissions_never_overshoot(backend) -> None:
     ("memory", 3, "redis://127.0.0.1:1/0", MemoryBackend),
     ("redis", 1, "redis://127.0.0.1:1/0", RedisBackend),
 ])
-def test_open_backend_follows_limits_store(store: str, replicas: int, redis_url: str | None,
-                                           kind: type) -> None:
+def test_open_limits_follows_limits_store(store: str, replicas: int, redis_url: str | None,
+                                          kind: type) -> None:
     gw = GatewayConfig(limits_store=store, num_replicas=replicas, redis_url=redis_url)
-    assert isinstance(open_backend(gw), kind)
+    assert isinstance(open_limits(gw, Connections(gw.redis_url, None)), kind)
 
 
 def test_redis_limits_store_needs_a_redis_url() -> None:

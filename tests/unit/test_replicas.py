@@ -14,8 +14,8 @@ from typing import Any
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord, load_app_config
 from serve_app.gateway.admission.admission import Admission
-from serve_app.gateway.admission.limits import MemoryBackend
 from serve_app.gateway.routing.replicas import LiveReplicas, Status, status_of
+from serve_app.state.limits import MemoryBackend
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGEST = "sha256:" + "0" * 64

@@ -11,9 +11,9 @@ import pytest
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
 from serve_app.gateway.admission.admission import Admission
-from serve_app.gateway.admission.limits import MemoryBackend
 from serve_app.gateway.admission.tiers import DEFAULT_RESERVE_TOKENS, TierPolicy
 from serve_app.protocol import ENDPOINTS
+from serve_app.state.limits import MemoryBackend
 
 KEY = KeyRecord(id="k", digest="sha256:" + "0" * 64, tier="capped")
 

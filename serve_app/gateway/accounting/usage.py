@@ -1,122 +1,29 @@
 """Usage accounting per key and tier: metrics for Prometheus, totals for ``GET /v1/usage``.
 
-Totals live in-process for one gateway replica, in Redis hashes when replicas share Redis (so
-that every replica answers ``/v1/usage`` with the same numbers), or in SQLite in
-``gateway.state_dir`` when there is no Redis: durable through a SIGKILL of the replica, and shared
-by the replicas of one host. Next to the totals, each key's tokens are kept per model
+The totals live in a ``state.usage.UsageStore`` (memory, Redis, or SQLite in ``gateway.state_dir``;
+``state.open_state`` picks it). Next to the totals, each key's tokens are kept per model
 (``m:<model>:<field>``) and per UTC day (``d:<YYYY-MM-DD>:<field>``) for the admin API.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import sqlite3
-import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from serve_app.config import KeyRecord, TierConfig
 from serve_app.gateway.accounting.timing import StageClock, StageSink
 from serve_app.gateway.accounting.tracecontext import TraceContext
 from serve_app.metrics import GatewayMetrics
 from serve_app.protocol import Tokens
+from serve_app.state.usage import UsageStore
 
 if TYPE_CHECKING:  # opentelemetry is imported only when an OTLP endpoint is configured
     from serve_app.gateway.accounting.otel import StageSpans
 
 logger = logging.getLogger("ray.serve")
-
-
-class UsageStore(Protocol):
-    """Per-key totals: ``add`` increments fields, ``get`` reads them all; ``close`` releases the
-    store's connections when the gateway replica shuts down (Gateway.__del__)."""
-
-    async def add(self, key_id: str, fields: dict[str, int]) -> None: ...
-    async def get(self, key_id: str) -> dict[str, int]: ...
-    async def close(self) -> None: ...
-
-
-class MemoryUsageStore:
-    def __init__(self) -> None:
-        self._totals: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-
-    async def add(self, key_id: str, fields: dict[str, int]) -> None:
-        for k, v in fields.items():
-            self._totals[key_id][k] += v
-
-    async def get(self, key_id: str) -> dict[str, int]:
-        return dict(self._totals.get(key_id, {}))
-
-    async def close(self) -> None:
-        return None
-
-
-class RedisUsageStore:
-    def __init__(self, url: str, prefix: str = "serve-app:usage:") -> None:
-        import redis.asyncio as redis
-
-        self._redis = redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=2.0)
-        self._prefix = prefix
-
-    async def add(self, key_id: str, fields: dict[str, int]) -> None:
-        pipe = self._redis.pipeline(transaction=False)
-        for k, v in fields.items():
-            pipe.hincrby(self._prefix + key_id, k, v)
-        await pipe.execute()
-
-    async def get(self, key_id: str) -> dict[str, int]:
-        raw = await self._redis.hgetall(self._prefix + key_id)
-        return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
-
-    async def close(self) -> None:
-        await self._redis.aclose()
-
-
-class SqliteUsageStore:
-    """Totals in a SQLite file (``<state_dir>/usage.sqlite``): each ``add`` is one transaction,
-    run in a thread so the event loop never waits on the file."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS usage (key_id TEXT, field TEXT, value INTEGER, "
-                         "PRIMARY KEY (key_id, field))")
-        self._lock = threading.Lock()
-
-    def _add(self, key_id: str, fields: dict[str, int]) -> None:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.executemany(
-                    "INSERT INTO usage VALUES (?, ?, ?) ON CONFLICT(key_id, field) DO UPDATE "
-                    "SET value = value + excluded.value",
-                    [(key_id, k, v) for k, v in fields.items()])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-
-    def _get(self, key_id: str) -> dict[str, int]:
-        with self._lock:
-            rows = self._db.execute("SELECT field, value FROM usage WHERE key_id = ?",
-                                    (key_id,)).fetchall()
-        return {f: int(v) for f, v in rows}
-
-    async def add(self, key_id: str, fields: dict[str, int]) -> None:
-        await asyncio.to_thread(self._add, key_id, fields)
-
-    async def get(self, key_id: str) -> dict[str, int]:
-        return await asyncio.to_thread(self._get, key_id)
-
-    async def close(self) -> None:
-        self._db.close()
 
 
 def detail_fields(model: str, day: str, fields: dict[str, int]) -> dict[str, int]:

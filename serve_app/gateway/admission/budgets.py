@@ -7,37 +7,24 @@ added, and settled against the engine's real count when the request ends. So the
 the budget only by what the requests in flight at that moment use, and a spent budget answers
 429 ``insufficient_quota`` until the period ends.
 
-The counters live in Redis when replicas share one (``gateway.redis_url``), else in SQLite in
-``gateway.state_dir`` (durable, and shared by the replicas of one host), else in memory.
+The counters live in a ``state.budgets.BudgetBackend``: Redis when replicas share one
+(``gateway.redis_url``), else SQLite in ``gateway.state_dir`` (durable, and shared by the replicas
+of one host), else memory; ``state.open_state`` picks it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import sqlite3
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from serve_app import errors
-from serve_app.config import Budget, GatewayConfig, KeyRecord
+from serve_app.config import Budget, KeyRecord
+from serve_app.state.budgets import BudgetBackend, Counter
 
 logger = logging.getLogger("ray.serve")
-KEEP_S = 40 * 86400  # a counter outlives its period (a month at most) before Redis drops it
-
-
-@dataclass(frozen=True)
-class Counter:
-    """One budget's counter for the current period."""
-
-    name: str  # e.g. "key:alice:2026-12" or "tenant:acme:2026-12-04"
-    limit: int
-    scope: str  # "key" or "tenant"
-    resets_at: str
 
 
 def period(budget: Budget, now: float) -> tuple[str, str]:
@@ -49,152 +36,6 @@ def period(budget: Budget, now: float) -> tuple[str, str]:
         return start.strftime("%Y-%m-%d"), end.isoformat()
     year, month = (t.year + 1, 1) if t.month == 12 else (t.year, t.month + 1)
     return t.strftime("%Y-%m"), datetime(year, month, 1, tzinfo=UTC).isoformat()
-
-
-class BudgetBackend(Protocol):
-    """Budget counters. ``admit`` adds ``amount`` to every counter if each one's current value is
-    under its limit and returns the values before (or the index of the first that is not:
-    ``(values, failed)``); ``add`` adds without a check (settlement; negative refunds); ``get``
-    reads them."""
-
-    async def admit(self, counters: Sequence[Counter], amount: int) -> tuple[list[int], int]: ...
-    async def add(self, names: Sequence[str], amount: int) -> None: ...
-    async def get(self, names: Sequence[str]) -> list[int]: ...
-    async def close(self) -> None: ...
-
-
-class MemoryBudgets:
-    """One replica's counters in memory (lost with it)."""
-
-    def __init__(self) -> None:
-        self._spent: dict[str, int] = {}
-
-    async def admit(self, counters: Sequence[Counter], amount: int) -> tuple[list[int], int]:
-        values = [self._spent.get(c.name, 0) for c in counters]
-        for i, (c, v) in enumerate(zip(counters, values, strict=True)):
-            if v >= c.limit:
-                return values, i
-        for c in counters:
-            self._spent[c.name] = self._spent.get(c.name, 0) + amount
-        return values, -1
-
-    async def add(self, names: Sequence[str], amount: int) -> None:
-        for n in names:
-            self._spent[n] = self._spent.get(n, 0) + amount
-
-    async def get(self, names: Sequence[str]) -> list[int]:
-        return [self._spent.get(n, 0) for n in names]
-
-    async def close(self) -> None:
-        return None
-
-
-class SqliteBudgets:
-    """Counters in a SQLite file: durable, and atomic across the processes of one host (each
-    admission is one ``BEGIN IMMEDIATE`` transaction). Calls run in a thread, off the event loop."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS budget (name TEXT PRIMARY KEY, spent INTEGER)")
-        self._lock = threading.Lock()
-
-    def _tx(self, fn: Callable[[], Any]) -> Any:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                out = fn()
-                self._db.execute("COMMIT")
-                return out
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-
-    def _values(self, names: Sequence[str]) -> list[int]:
-        out = []
-        for n in names:
-            row = self._db.execute("SELECT spent FROM budget WHERE name = ?", (n,)).fetchone()
-            out.append(int(row[0]) if row else 0)
-        return out
-
-    def _add(self, names: Sequence[str], amount: int) -> None:
-        for n in names:
-            self._db.execute("INSERT INTO budget VALUES (?, ?) ON CONFLICT(name) DO UPDATE "
-                             "SET spent = spent + excluded.spent", (n, amount))
-
-    def _admit(self, counters: Sequence[Counter], amount: int) -> tuple[list[int], int]:
-        values = self._values([c.name for c in counters])
-        for i, (c, v) in enumerate(zip(counters, values, strict=True)):
-            if v >= c.limit:
-                return values, i
-        self._add([c.name for c in counters], amount)
-        return values, -1
-
-    async def admit(self, counters: Sequence[Counter], amount: int) -> tuple[list[int], int]:
-        return await asyncio.to_thread(self._tx, lambda: self._admit(counters, amount))
-
-    async def add(self, names: Sequence[str], amount: int) -> None:
-        await asyncio.to_thread(self._tx, lambda: self._add(names, amount))
-
-    async def get(self, names: Sequence[str]) -> list[int]:
-        return await asyncio.to_thread(self._tx, lambda: self._values(names))
-
-    async def close(self) -> None:
-        self._db.close()
-
-
-_ADMIT_LUA = """
--- KEYS: counters; ARGV[1]: amount, ARGV[2]: ttl, then one limit per counter.
-local values = {}
-for i = 1, #KEYS do
-  local v = tonumber(redis.call('GET', KEYS[i]) or '0')
-  values[i] = v
-  if v >= tonumber(ARGV[2 + i]) then
-    table.insert(values, 1, i)
-    return values
-  end
-end
-for i = 1, #KEYS do
-  redis.call('INCRBY', KEYS[i], ARGV[1])
-  redis.call('EXPIRE', KEYS[i], ARGV[2])
-end
-table.insert(values, 1, 0)
-return values
-"""
-
-
-class RedisBudgets:
-    """Counters in Redis, checked and charged in one script: exact across gateway replicas."""
-
-    def __init__(self, url: str, prefix: str = "serve-app:budget:") -> None:
-        import redis.asyncio as redis
-
-        self._redis = redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=2.0)
-        self._prefix = prefix
-        self._admit = self._redis.register_script(_ADMIT_LUA)
-
-    async def admit(self, counters: Sequence[Counter], amount: int) -> tuple[list[int], int]:
-        raw = await self._admit(keys=[self._prefix + c.name for c in counters],
-                                args=[amount, KEEP_S, *(c.limit for c in counters)])
-        failed, values = int(raw[0]) - 1, [int(v) for v in raw[1:]]
-        return values + [0] * (len(counters) - len(values)), failed
-
-    async def add(self, names: Sequence[str], amount: int) -> None:
-        pipe = self._redis.pipeline(transaction=False)
-        for n in names:
-            pipe.incrby(self._prefix + n, amount)
-        await pipe.execute()
-
-    async def get(self, names: Sequence[str]) -> list[int]:
-        if not names:
-            return []
-        raw = await self._redis.mget([self._prefix + n for n in names])
-        return [int(v) if v is not None else 0 for v in raw]
-
-    async def close(self) -> None:
-        await self._redis.aclose()
 
 
 @dataclass
@@ -281,15 +122,3 @@ def _headers(counters: Sequence[Counter], values: Sequence[int]) -> dict[str, st
     left = [(max(0, c.limit - v), c) for c, v in zip(counters, values, strict=True)]
     remaining, c = min(left, key=lambda x: x[0])
     return {"x-budget-remaining-tokens": str(remaining), "x-budget-reset": c.resets_at}
-
-
-def open_budgets(gw: GatewayConfig, clock: Callable[[], float]) -> Budgets:
-    """Redis when replicas share one, else SQLite in the state dir, else memory."""
-    backend: BudgetBackend
-    if gw.redis_url:
-        backend = RedisBudgets(gw.redis_url)
-    elif gw.state_dir:
-        backend = SqliteBudgets(Path(gw.state_dir) / "usage.sqlite")
-    else:
-        backend = MemoryBudgets()
-    return Budgets(backend, dict(gw.tenant_budgets), clock)
