@@ -1,5 +1,6 @@
 """Batches: OpenAI's ``batch`` object, its state machine, the parsing of its input lines, and
-the durable store of its state (JSON files on the embedded default, Redis when configured).
+the store of batches over the state's documents (``state/batches.py``: JSON files on the embedded
+default, Redis when configured).
 
     validating -> in_progress -> finalizing -> completed
     validating -> failed                         (the file as a whole is unusable)
@@ -13,24 +14,19 @@ replica must not be lost under those writes.
 
 from __future__ import annotations
 
-import asyncio
-import fcntl
 import json
-import os
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from serve_app import errors
 from serve_app.protocol import json_offence
+from serve_app.state.batches import TERMINAL, BatchDocs
 
 # The Batch API's endpoints and the endpoint-table rows that serve them.
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/embeddings": "embeddings",
              "/v1/responses": "responses"}
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
-TERMINAL = frozenset({"completed", "failed", "cancelled", "expired"})
 STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "cancelling",
             "cancelled", "expired")
 _NEXT: dict[str, frozenset[str]] = {
@@ -215,193 +211,51 @@ def parse_input(data: bytes, url: str, max_lines: int) -> tuple[list[Line], list
     return lines, []
 
 
-class BatchStore(Protocol):
-    """The batches' durable state, lease and cancel requests, shared by the gateway replicas.
+class BatchStore:
+    """The batches as the runner and the routes use them: ``Batch`` objects over the state's
+    documents (``state.batches``: JSON files, or Redis when configured), with each batch's lease
+    and cancel request. ``claim`` takes a batch's lease for ``holder`` (or renews it if ``holder``
+    has it) and says whether it did; a lease lapses ``lease_s`` after its last claim, so a dead
+    runner's batch is taken over."""
 
-    ``claim`` takes a batch's lease for ``holder`` (or renews it if ``holder`` has it) and says
-    whether it did; a lease lapses ``lease_s`` after its last claim, so a dead runner's batch is
-    taken over."""
-
-    async def save(self, batch: Batch) -> None: ...
-    async def load(self, batch_id: str) -> Batch | None: ...
-    async def owned(self, owner: str) -> list[Batch]: ...
-    async def active(self) -> list[str]: ...
-    async def recent(self, limit: int) -> list[Batch]: ...
-    async def request_cancel(self, batch_id: str) -> None: ...
-    async def cancel_requested(self, batch_id: str) -> bool: ...
-    async def claim(self, batch_id: str, holder: str, lease_s: float) -> bool: ...
-    async def release(self, batch_id: str, holder: str) -> None: ...
-    async def close(self) -> None: ...
-
-
-class FileBatchStore:
-    """Batches as JSON files under ``<root>/batches``; leases under an ``flock``, so replicas on
-    one machine never both hold one. The embedded default's store without Redis."""
-
-    def __init__(self, root: Path) -> None:
-        self.dir = root / "batches"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock = self.dir / ".lock"
-
-    def _path(self, batch_id: str, suffix: str) -> Path:
-        return self.dir / f"{batch_id}{suffix}"
+    def __init__(self, docs: BatchDocs) -> None:
+        self.docs = docs
 
     async def save(self, batch: Batch) -> None:
-        await asyncio.to_thread(_atomic_text, self._path(batch.id, ".json"), batch.to_json())
+        await self.docs.save(batch.id, batch.owner, batch.created_at, batch.done, batch.to_json())
 
     async def load(self, batch_id: str) -> Batch | None:
-        if not _valid_batch_id(batch_id):
-            return None
-        try:
-            return Batch.from_json(self._path(batch_id, ".json").read_bytes())
-        except FileNotFoundError:
-            return None
-
-    def _all(self) -> Iterator[Batch]:
-        for p in self.dir.glob("*.json"):
-            try:
-                yield Batch.from_json(p.read_bytes())
-            except (FileNotFoundError, ValueError, TypeError):
-                continue
-
-    async def owned(self, owner: str) -> list[Batch]:
-        found = [b for b in self._all() if b.owner == owner]
-        return sorted(found, key=lambda b: (b.created_at, b.id), reverse=True)
-
-    async def recent(self, limit: int) -> list[Batch]:
-        return sorted(self._all(), key=lambda b: (b.created_at, b.id), reverse=True)[:limit]
-
-    async def active(self) -> list[str]:
-        live = sorted((b for b in self._all() if not b.done), key=lambda b: (b.created_at, b.id))
-        return [b.id for b in live]
-
-    async def request_cancel(self, batch_id: str) -> None:
-        self._path(batch_id, ".cancel").touch()
-
-    async def cancel_requested(self, batch_id: str) -> bool:
-        return self._path(batch_id, ".cancel").exists()
-
-    async def claim(self, batch_id: str, holder: str, lease_s: float) -> bool:
-        return await asyncio.to_thread(self._claim, batch_id, holder, lease_s)
-
-    def _claim(self, batch_id: str, holder: str, lease_s: float) -> bool:
-        path = self._path(batch_id, ".lease")
-        with open(self._lock, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                lease = json.loads(path.read_text())
-            except (FileNotFoundError, ValueError):
-                lease = None
-            now = time.time()
-            if lease is not None and lease["holder"] != holder and lease["until"] > now:
-                return False
-            _atomic_text(path, json.dumps({"holder": holder, "until": now + lease_s}))
-            return True
-
-    async def release(self, batch_id: str, holder: str) -> None:
-        await asyncio.to_thread(self._release, batch_id, holder)
-
-    def _release(self, batch_id: str, holder: str) -> None:
-        path = self._path(batch_id, ".lease")
-        with open(self._lock, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                if json.loads(path.read_text())["holder"] == holder:
-                    path.unlink()
-            except (FileNotFoundError, ValueError, KeyError):
-                pass
-
-    async def close(self) -> None:
-        return None
-
-
-def _valid_batch_id(batch_id: str) -> bool:
-    return 0 < len(batch_id) <= 64 and all(c.isalnum() or c in "_-" for c in batch_id)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-_PREFIX = "serve_app:batch:"
-# Take the lease if it is free or already ours; renew it either way.
-_CLAIM_LUA = """
-local cur = redis.call('GET', KEYS[1])
-if cur and cur ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
-"""
-_RELEASE_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-return 1
-"""
-
-
-class RedisBatchStore:
-    """Batches in Redis (``gateway.redis_url``): shared by every gateway replica on every node."""
-
-    def __init__(self, url: str) -> None:
-        import redis.asyncio as redis
-
-        self._redis = redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=2.0)
-        self._claim = self._redis.register_script(_CLAIM_LUA)
-        self._release = self._redis.register_script(_RELEASE_LUA)
-
-    async def save(self, batch: Batch) -> None:
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.set(_PREFIX + batch.id, batch.to_json())
-        pipe.zadd(f"{_PREFIX}owner:{batch.owner}", {batch.id: batch.created_at})
-        pipe.zadd(f"{_PREFIX}all", {batch.id: batch.created_at})
-        if batch.done:
-            pipe.srem(_PREFIX + "active", batch.id)
-        else:
-            pipe.sadd(_PREFIX + "active", batch.id)
-        await pipe.execute()
-
-    async def load(self, batch_id: str) -> Batch | None:
-        if not _valid_batch_id(batch_id):
-            return None
-        raw = await self._redis.get(_PREFIX + batch_id)
+        raw = await self.docs.load(batch_id)
         return None if raw is None else Batch.from_json(raw)
 
     async def owned(self, owner: str) -> list[Batch]:
-        return await self._listed(f"{_PREFIX}owner:{owner}", -1)
+        return _decoded(await self.docs.owned(owner))
 
     async def recent(self, limit: int) -> list[Batch]:
-        return await self._listed(f"{_PREFIX}all", limit - 1)
-
-    async def _listed(self, index: str, last: int) -> list[Batch]:
-        ids = await self._redis.zrevrange(index, 0, last)
-        if not ids:
-            return []
-        raws = await self._redis.mget([_PREFIX + _text(i) for i in ids])
-        return [Batch.from_json(r) for r in raws if r is not None]
+        return _decoded(await self.docs.recent(limit))
 
     async def active(self) -> list[str]:
-        return sorted(_text(i) for i in await self._redis.smembers(_PREFIX + "active"))
+        return await self.docs.active()
 
     async def request_cancel(self, batch_id: str) -> None:
-        await self._redis.set(f"{_PREFIX}cancel:{batch_id}", b"1")
+        await self.docs.request_cancel(batch_id)
 
     async def cancel_requested(self, batch_id: str) -> bool:
-        return bool(await self._redis.exists(f"{_PREFIX}cancel:{batch_id}"))
+        return await self.docs.cancel_requested(batch_id)
 
     async def claim(self, batch_id: str, holder: str, lease_s: float) -> bool:
-        got = await self._claim(keys=[f"{_PREFIX}lease:{batch_id}"],
-                                args=[holder, int(lease_s * 1000)])
-        return bool(got)
+        return await self.docs.claim(batch_id, holder, lease_s)
 
     async def release(self, batch_id: str, holder: str) -> None:
-        await self._release(keys=[f"{_PREFIX}lease:{batch_id}"], args=[holder])
+        await self.docs.release(batch_id, holder)
 
-    async def close(self) -> None:
-        await self._redis.aclose()
+
+def _decoded(raws: list[bytes]) -> list[Batch]:
+    """The batches of ``raws``, skipping any document that is not one (as a listing always has)."""
+    out = []
+    for raw in raws:
+        try:
+            out.append(Batch.from_json(raw))
+        except (ValueError, TypeError):
+            continue
+    return out

@@ -34,13 +34,13 @@ from starlette.responses import Response
 
 from serve_app import errors
 from serve_app.batch.batches import ENDPOINTS, Batch, BatchStore, Line, parse_input
-from serve_app.batch.files import FileStore, ResultFile
 from serve_app.config import AppConfig, KeyRecord
 from serve_app.gateway.accounting.timing import StageClock
 from serve_app.gateway.accounting.tracecontext import TraceContext
 from serve_app.metrics import BatchMetrics
 from serve_app.protocol import ENDPOINTS as ENDPOINT_TABLE
 from serve_app.protocol import Endpoint
+from serve_app.state.files import FileStore, ResultFile
 
 logger = logging.getLogger("ray.serve")
 

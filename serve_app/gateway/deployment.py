@@ -109,7 +109,7 @@ class Gateway:
         from serve_app.batch.wiring import build as build_batch
 
         self.deps.batch, self.batch_runner = build_batch(
-            cfg, self.deps.pipeline.handle, self.deps.keys.by_id, process_metrics.tags["replica"])
+            cfg, state, self.deps.pipeline.handle, self.deps.keys.by_id, process_metrics.tags["replica"])
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self.deps, self._lifespan)
@@ -130,7 +130,6 @@ class Gateway:
             nice.cancel()
             keys_poll.cancel()
             await self.batch_runner.stop()
-            await self.batch_runner.store.close()
             await self.watch.stop()
             await self.state.close()
             if self.spans is not None:

@@ -8,8 +8,10 @@ from pathlib import Path
 
 from serve_app.config import AppConfig
 from serve_app.state.audit import AUDIT_FILE, AuditFile
+from serve_app.state.batches import BatchDocs, FileBatchStore, RedisBatchStore
 from serve_app.state.budgets import BudgetBackend, MemoryBudgets, RedisBudgets, SqliteBudgets
 from serve_app.state.connections import Connections
+from serve_app.state.files import FileStore, files_root
 from serve_app.state.keys import KeyStore, open_key_store
 from serve_app.state.limits import LimitBackend, open_limits
 from serve_app.state.usage import (
@@ -30,6 +32,8 @@ class State:
     usage: UsageStore
     budgets: BudgetBackend
     limits: LimitBackend
+    batches: BatchDocs
+    files: FileStore
     audit: AuditFile | None  # None without a state_dir: audit events are only counted
     keys: KeyStore
 
@@ -41,7 +45,8 @@ class State:
 def open_state(cfg: AppConfig) -> State:
     """The stores ``cfg`` asks for. Usage and budgets: Redis when replicas share one
     (``gateway.redis_url``), else SQLite in ``gateway.state_dir`` (one file, one connection, for
-    both), else memory. Limits: by ``gateway.limits_store`` (``state/limits.py``). The audit
+    both), else memory. Limits: by ``gateway.limits_store`` (``state/limits.py``). Batches: Redis,
+    else JSON files under the files folder, where the files always are (``files_root``). The audit
     trail: ``<state_dir>/audit.log``. Keys: by ``gateway.keys_store``, not yet loaded
     (``await state.keys.refresh(force=True)``)."""
     gw = cfg.gateway
@@ -56,7 +61,10 @@ def open_state(cfg: AppConfig) -> State:
         usage, budgets = SqliteUsageStore(usage_file), SqliteBudgets(usage_file)
     else:
         usage, budgets = MemoryUsageStore(), MemoryBudgets()
+    root = files_root(cfg)
+    batches: BatchDocs = (RedisBatchStore(connections.redis()) if gw.redis_url
+                          else FileBatchStore(root))
     audit = AuditFile(state_dir / AUDIT_FILE, gw.audit_max_bytes) if state_dir else None
     return State(connections=connections, usage=usage, budgets=budgets,
-                 limits=open_limits(gw, connections), audit=audit,
-                 keys=open_key_store(gw, connections))
+                 limits=open_limits(gw, connections), batches=batches, files=FileStore(root),
+                 audit=audit, keys=open_key_store(gw, connections))

@@ -19,19 +19,19 @@ from serve_app.batch.batches import (
     BadTransition,
     Batch,
     BatchStore,
-    FileBatchStore,
-    RedisBatchStore,
     check_create,
     parse_input,
     parse_line,
 )
-from serve_app.batch.files import FileStore, ResultFile
 from serve_app.batch.routes import BatchService
 from serve_app.batch.runner import BatchRunner
 from serve_app.config import AppConfig, KeyRecord
 from serve_app.gateway.accounting.timing import StageClock
 from serve_app.gateway.accounting.tracecontext import TraceContext
 from serve_app.protocol import Endpoint
+from serve_app.state.batches import FileBatchStore, RedisBatchStore
+from serve_app.state.connections import Connections
+from serve_app.state.files import FileStore, ResultFile
 from tests.unit.test_api import Env
 
 URL = "/v1/chat/completions"
@@ -162,8 +162,9 @@ def test_files_belong_to_their_owner(tmp_path: Path) -> None:
 def test_store_lease_is_exclusive_and_lapses(kind: str, tmp_path: Path,
                                              request: pytest.FixtureRequest) -> None:
     async def go() -> None:
-        store: BatchStore = (FileBatchStore(tmp_path) if kind == "files"
-                             else RedisBatchStore(request.getfixturevalue("redis_url")))
+        conns = Connections(request.getfixturevalue("redis_url") if kind == "redis" else None, None)
+        store = BatchStore(FileBatchStore(tmp_path) if kind == "files"
+                           else RedisBatchStore(conns.redis()))
         b = _batch(id=f"batch-{kind}-{time.time_ns()}")
         await store.save(b)
         assert await store.load(b.id) == b and b.id in await store.active()
@@ -184,7 +185,7 @@ def test_store_lease_is_exclusive_and_lapses(kind: str, tmp_path: Path,
         b.move("failed", 1)
         await store.save(b)
         assert b.id not in await store.active()
-        await store.close()
+        await conns.close()
 
     asyncio.run(go())
 
@@ -216,7 +217,7 @@ class FakePipeline:
 def _setup(tmp_path: Path, data: bytes, pipeline: FakePipeline,
            cfg: AppConfig = CFG) -> tuple[BatchRunner, BatchService, str]:
     files = FileStore(tmp_path)
-    store = FileBatchStore(tmp_path)
+    store = BatchStore(FileBatchStore(tmp_path))
     runner = BatchRunner(cfg, files, store, pipeline, lambda key_id: KEY)
     service = BatchService(cfg, files, store)
     f = files.create(KEY.tenant_id, "in.jsonl", "batch", data)

@@ -14,6 +14,7 @@ import redis
 
 from serve_app.config import AppConfig
 from serve_app.state import open_state
+from serve_app.state.batches import FileBatchStore, RedisBatchStore
 from serve_app.state.budgets import Counter, MemoryBudgets, RedisBudgets, SqliteBudgets
 from serve_app.state.connections import Connections
 from serve_app.state.limits import Charge, MemoryBackend, RedisBackend
@@ -34,12 +35,14 @@ def _clients(url: str) -> int:
 
 def test_the_embedded_default_is_durable_on_one_sqlite_connection(tmp_path: Path) -> None:
     """Without Redis, usage and budgets go to ``<state_dir>/usage.sqlite`` over one connection, the
-    audit trail to ``<state_dir>/audit.log``; limits stay in memory."""
+    audit trail to ``<state_dir>/audit.log``; batches and files to the files folder beside the keys
+    file; limits stay in memory."""
     state = open_state(_cfg(tmp_path, state_dir=str(tmp_path / "state")))
     assert isinstance(state.usage, SqliteUsageStore) and isinstance(state.budgets, SqliteBudgets)
-    assert isinstance(state.limits, MemoryBackend)
+    assert isinstance(state.limits, MemoryBackend) and isinstance(state.batches, FileBatchStore)
     assert state.usage._file is state.budgets._file  # one SqliteFile for the two
     assert state.usage._file.path == (tmp_path / "state" / "usage.sqlite").resolve()
+    assert state.files.dir == (tmp_path / "batch" / "files").resolve()
     assert state.audit is not None and state.audit.path == tmp_path / "state" / "audit.log"
 
     async def use() -> list[int]:
@@ -64,21 +67,23 @@ def test_without_redis_or_state_dir_the_stores_are_in_memory(tmp_path: Path) -> 
 
 
 def test_one_redis_client_for_every_store(redis_url: str, tmp_path: Path) -> None:
-    """Usage, budgets and limits share one client (one pool); closing the state gives every
-    connection back, and closing it again does nothing."""
+    """Usage, budgets, limits and batches share one client (one pool); closing the state gives
+    every connection back, and closing it again does nothing."""
     before = _clients(redis_url)
     state = open_state(_cfg(tmp_path, redis_url=redis_url, limits_store="redis"))
     assert isinstance(state.usage, RedisUsageStore) and isinstance(state.budgets, RedisBudgets)
-    assert isinstance(state.limits, RedisBackend)
+    assert isinstance(state.limits, RedisBackend) and isinstance(state.batches, RedisBatchStore)
     client = state.connections.redis()
     assert client is state.connections.redis()
     assert state.usage._redis is client and state.budgets._redis is client
+    assert state.batches._redis is client
 
     async def use() -> int:
         await asyncio.gather(
             state.usage.add("test-state", {"requests": 1}),
             state.budgets.admit([Counter("test-state", 10, "key", "")], 1),
-            state.limits.admit([Charge("test-state:rpm", 1, 10)], 0.0))
+            state.limits.admit([Charge("test-state:rpm", 1, 10)], 0.0),
+            state.batches.active())
         opened = _clients(redis_url)
         await state.close()
         await state.close()

@@ -1,5 +1,5 @@
 """The files of the Batch API: uploads (purpose ``batch``) and the output and error files a batch
-writes, on disk under one folder, each owned by the tenant of the key that made it.
+writes, on disk under one folder (``files_root``), each owned by the tenant of the key that made it.
 
 A file is two entries in ``<root>/files``: its bytes (``<id>``) and its object (``<id>.json``,
 OpenAI's ``file`` object plus its owner). A file exists once its object is written, atomically and
@@ -20,9 +20,20 @@ from pathlib import Path
 from typing import Any
 
 from serve_app import errors
+from serve_app.config import AppConfig
 
 PURPOSES = ("batch", "batch_output")
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+def files_root(cfg: AppConfig) -> Path:
+    """``gateway.batch.files_dir``, else a ``batch`` folder beside the keys file: the run's state
+    folder (``.local/`` for the embedded default, next to its Redis state). The batches' JSON
+    documents (``state/batches.py``) live there too when there is no Redis."""
+    configured = cfg.gateway.batch.files_dir
+    if configured:
+        return Path(configured).expanduser()
+    return Path(cfg.gateway.keys_file).expanduser().resolve().parent / "batch"
 
 
 def new_id(prefix: str) -> str:
