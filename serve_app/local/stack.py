@@ -112,8 +112,8 @@ class LocalStack:
         self._start_ray()
 
     def _start_state_store(self) -> None:
-        """Usage totals (and, with several gateway replicas, limit counters: ``limits.open_backend``)
-        outlive a gateway replica in a local Redis, unless the
+        """Usage totals (and, with several gateway replicas, limit counters:
+        ``state.limits.open_limits``) outlive a gateway replica in a local Redis, unless the
         config names a Redis of its own (redis_server.py). Without redis-server (or when the config
         names a ``gateway.state_dir`` of its own), usage and budgets go to SQLite in the state dir,
         which the audit log uses too: durable with nothing installed."""
