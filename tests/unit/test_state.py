@@ -54,6 +54,8 @@ def test_the_embedded_default_is_durable_on_one_sqlite_connection(tmp_path: Path
         return got
 
     assert asyncio.run(use()) == [5]
+    with pytest.raises(sqlite3.ProgrammingError, match="closed"):  # closed with the state
+        state.usage._file.db.execute("SELECT 1")
     with sqlite3.connect(tmp_path / "state" / "usage.sqlite") as db:  # the same tables as before
         assert db.execute("SELECT value FROM usage WHERE key_id = 'k'").fetchone() == (1,)
         assert db.execute("SELECT spent FROM budget").fetchone() == (5,)
