@@ -16,11 +16,11 @@ from serve_app.config import AppConfig, KeyRecord, load_app_config
 from serve_app.gateway.admission.admission import Admission
 from serve_app.gateway.routing.replicas import LiveReplicas, Status, status_of
 from serve_app.state.limits import MemoryBackend
+from tests.unit.builders import app_config, key_record, model_doc, tier
 
 ROOT = Path(__file__).resolve().parents[2]
-DIGEST = "sha256:" + "0" * 64
-PREMIUM = KeyRecord(id="p", digest=DIGEST, tier="premium")
-BATCH = KeyRecord(id="b", digest=DIGEST, tier="batch")
+PREMIUM = key_record("p", tier="premium")
+BATCH = key_record("b", tier="batch")
 
 
 class Counts:
@@ -40,17 +40,15 @@ class Counts:
 
 
 def _cfg(**gateway: Any) -> AppConfig:
-    return AppConfig.model_validate({
-        "tiers": {"premium": {"priority": 0, "shed_at": 1.0}, "batch": {"priority": 10, "shed_at": 0.5}},
-        "default_tier": "premium",
-        "gateway": {"unavailable_hold_s": 0.3, "replicas_refresh_s": 0.05, **gateway},
-        "models": [{
-            "id": "tiny", "source": "builtin:tiny-chat",
-            "deployment": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2},
-                           "max_ongoing_requests": 12, "max_queued_requests": 32},
-            "admission": {"saturation_requests": 40},
-        }],
-    })
+    return app_config(
+        model_doc(id="tiny",
+                  deployment={"autoscaling_config": {"min_replicas": 1, "max_replicas": 2},
+                              "max_ongoing_requests": 12, "max_queued_requests": 32},
+                  admission={"saturation_requests": 40}),
+        tiers={"premium": tier(0, shed_at=1.0), "batch": tier(10, shed_at=0.5)},
+        default_tier="premium",
+        gateway={"unavailable_hold_s": 0.3, "replicas_refresh_s": 0.05, **gateway},
+    )
 
 
 def _admit_many(adm: Admission, key: KeyRecord, n: int) -> list[Any]:

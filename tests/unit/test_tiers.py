@@ -9,22 +9,19 @@ import asyncio
 import pytest
 
 from serve_app import errors
-from serve_app.config import AppConfig, KeyRecord
+from serve_app.config import AppConfig
 from serve_app.gateway.admission.admission import Admission
 from serve_app.gateway.admission.tiers import DEFAULT_RESERVE_TOKENS, TierPolicy
 from serve_app.protocol import ENDPOINTS
 from serve_app.state.limits import MemoryBackend
+from tests.unit.builders import app_config, key_record, tier
 
-KEY = KeyRecord(id="k", digest="sha256:" + "0" * 64, tier="capped")
+KEY = key_record(tier="capped")
 
 
 def _cfg(tpm: int | None = None) -> AppConfig:
     limits = {"max_tokens_cap": 64, **({"tpm": tpm} if tpm else {})}
-    return AppConfig.model_validate({
-        "tiers": {"capped": {"priority": 0, "key_limits": limits}},
-        "default_tier": "capped",
-        "models": [{"id": "m", "source": "builtin:tiny-chat"}],
-    })
+    return app_config(tiers={"capped": tier(0, key_limits=limits)}, default_tier="capped")
 
 
 def _clamp(endpoint: str, body: dict) -> tuple[int, str | None, dict]:
@@ -52,8 +49,8 @@ def test_a_bad_bound_is_refused_naming_its_field() -> None:
 
 
 def test_no_cap_reserves_the_default() -> None:
-    cfg = AppConfig.model_validate({"models": [{"id": "m", "source": "builtin:tiny-chat"}]})
-    key = KeyRecord(id="k", digest="sha256:" + "0" * 64, tier=cfg.default_tier)
+    cfg = app_config()
+    key = key_record(tier=cfg.default_tier)
     budget = TierPolicy(cfg).clamp_max_tokens({}, key, ENDPOINTS["chat"].max_tokens_fields)
     assert budget.tokens == DEFAULT_RESERVE_TOKENS
 
