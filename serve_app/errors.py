@@ -117,7 +117,24 @@ class UnsupportedMediaType(ServeAppError):
     code = "unsupported_media_type"
 
 
-class RateLimited(ServeAppError):
+class Refused(ServeAppError):
+    """The one way out of admission (``Admission.enter``): the request was not run, and may be
+    retried later. It carries its status, code, message and, where one is known,
+    ``Retry-After`` (``retry_after_s``). Subclasses name the reason; each medium renders it once
+    (a JSON body, a mid-stream SSE error event, a batch error record)."""
+
+    status = 503
+
+    @property
+    def retry_after_s(self) -> float | None:
+        value = next((v for k, v in self.headers.items() if k.lower() == "retry-after"), None)
+        try:
+            return float(value) if value is not None else None
+        except ValueError:
+            return None
+
+
+class RateLimited(Refused):
     """A key or tier limit (requests or tokens per minute, concurrency) refused the request; it
     carries ``Retry-After`` for when the limit allows it again."""
 
@@ -150,7 +167,7 @@ class InternalError(ServeAppError):
     code = "internal_error"
 
 
-class ServiceUnavailable(ServeAppError):
+class ServiceUnavailable(Refused):
     """The model is down, starting, or shedding load. Always carries ``Retry-After``."""
 
     status = 503

@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Literal, NotRequired, TypedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 from serve_app import errors
 
@@ -324,3 +324,62 @@ def stream_error(endpoint: Endpoint | None, exc: errors.ServeAppError) -> bytes:
 
 def sse_event(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
+
+
+# ---- the seam between the gateway and a model ----------------------------------------------------
+class ModelCall(Protocol):
+    """One call's answer, as the model sends it: a ``Head``, then (``Head.parts``) more ``bytes``,
+    or for a stream ``Chunk`` tuples and a ``Trailer`` (the module docstring). ``__anext__``
+    raises ``StopAsyncIteration`` at the end; a failure of the transport or the replica is raised
+    from it as that transport's exception. ``cancel()`` stops the model's work at once (safe to
+    call more than once, and after the end); it never raises."""
+
+    def __anext__(self) -> Awaitable[Any]: ...
+    def cancel(self) -> None: ...
+
+
+class ModelClient(Protocol):
+    """How the gateway calls one model. Two implementations: over the model deployment's Serve
+    handle (``gateway.forward.HandleClient``, the deployment path: autoscaling, the affinity
+    router, several gateway replicas) and in the gateway's own process
+    (``engine.local.InProcessClient``, ``gateway.serve_model``). ``call`` sends one request of
+    ``ENDPOINTS[endpoint]`` with the gateway's ``RequestContext.to_dict()`` and returns at once;
+    ``transport`` names how the last call travels (``serve-app diagnose`` shows it)."""
+
+    @property
+    def transport(self) -> str: ...
+    def call(self, endpoint: str, body: dict[str, Any], ctx: dict[str, Any]) -> ModelCall: ...
+
+
+@dataclass
+class Answer:
+    """A model's answer to one admitted request, whoever asked for it (HTTP or the batch runner).
+
+    Either ``body`` (a complete answer, its request's books already closed) or ``events`` (a
+    stream of SSE bytes, relayed as the model made them). A stream's request ends when
+    ``finish()`` is awaited, however its reading ended (read to the end, stopped early, or never
+    started): the consumer must await it exactly once, in a ``finally``. ``headers`` are the
+    gateway's (limits, budgets, ``Server-Timing``, ``x-served-by``)."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes | None = None
+    events: AsyncIterator[bytes] | None = None
+    finish: Callable[[], Awaitable[None]] | None = None
+    stream: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stream = self.events is not None
+
+    async def read(self) -> bytes:
+        """The whole answer's bytes (a stream's events joined), its request ended."""
+        if self.events is None:
+            return self.body or b""
+        parts: list[bytes] = []
+        try:
+            async for part in self.events:
+                parts.append(part)
+        finally:
+            if self.finish is not None:
+                await self.finish()
+        return b"".join(parts)

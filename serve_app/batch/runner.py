@@ -1,9 +1,11 @@
 """The batch runner: one per gateway replica, it runs batches through the gateway's own pipeline.
 
-Each line is one call of ``Pipeline.handle`` in this process, with the batch creator's key moved
-to the batch tier (``AppConfig.batch_tier``) when that tier runs later than the key's own: the
-line passes the same admission (limits, budgets, shedding; the flow-control queue's lowest band)
-and ledger (usage, metrics) as live traffic, and reaches the engine at the batch tier's priority.
+Each line is one call of ``Pipeline.answer_line`` in this process (its ``Answer`` read whole),
+with the batch creator's key moved to the batch tier (``AppConfig.batch_tier``) when that tier runs
+later than the key's own: the line passes the same admission (limits, budgets, shedding; the
+flow-control queue's lowest band) and accounting (usage, metrics) as live traffic, and reaches the
+engine at the batch tier's priority. The runner imports nothing HTTP: it consumes the same domain
+``Answer`` as the HTTP routes.
 A line refused with 429 or 503 is retried after a back-off that doubles up to
 ``gateway.batch.backoff_max_s`` (or the Retry-After, if longer): the runner yields capacity to the
 interactive tiers instead of failing its lines.
@@ -30,23 +32,19 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from starlette.responses import Response
-
 from serve_app import errors
 from serve_app.batch.batches import ENDPOINTS, Batch, BatchStore, Line, parse_input
 from serve_app.config import AppConfig, KeyRecord
-from serve_app.gateway.accounting.timing import StageClock
-from serve_app.gateway.accounting.tracecontext import TraceContext
 from serve_app.metrics import BatchMetrics
 from serve_app.protocol import ENDPOINTS as ENDPOINT_TABLE
-from serve_app.protocol import Endpoint
+from serve_app.protocol import Answer, Endpoint
 from serve_app.state.files import FileStore, ResultFile
 
 logger = logging.getLogger("ray.serve")
 
-# ``Pipeline.handle``: one request of a key on an endpoint, to its response.
-Handle = Callable[[KeyRecord, Endpoint, dict[str, Any], int, StageClock, TraceContext],
-                  Awaitable[Response]]
+# ``Pipeline.answer_line``: one request of a key on an endpoint (body, its size, its arrival
+# time), to the gateway's answer.
+Handle = Callable[[KeyRecord, Endpoint, dict[str, Any], int, float], Awaitable[Answer]]
 KeyLookup = Callable[[str], KeyRecord | None]
 TICK_S = 1.0  # how often a running batch renews its lease, saves its progress, reads a cancel
 RETRY_FIRST_S = 0.5
@@ -276,14 +274,13 @@ class BatchRunner:
             try:
                 if endpoint.body_check is not None:
                     endpoint.body_check(line.body)
-                resp = await self.handle(self._run_key(key), endpoint, line.body,
-                                         len(json.dumps(line.body)), StageClock(self.clock()),
-                                         TraceContext.from_headers({}))
-                status, body = resp.status_code, bytes(resp.body)
+                answer = await self.handle(self._run_key(key), endpoint, line.body,
+                                           len(json.dumps(line.body)), self.clock())
+                status, body = answer.status, await answer.read()
                 wait = 0.0
-            except (errors.RateLimited, errors.ServiceUnavailable) as exc:
+            except errors.Refused as exc:
                 status, body = exc.status, b""
-                wait = float(exc.headers.get("Retry-After", "0") or 0)
+                wait = exc.retry_after_s or 0.0
             except errors.ServeAppError as exc:
                 status, body, wait = exc.status, json.dumps(exc.to_body()).encode(), 0.0
             except Exception:  # a bug of ours: this line fails, the batch goes on

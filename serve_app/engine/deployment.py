@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -30,37 +31,46 @@ from serve_app.runtime.procwatch import LoopWatch
 logger = logging.getLogger("ray.serve")
 
 
+class ModelService:
+    """One model's backend and what wraps it, with no Ray Serve in it: built by ``create``, used by
+    the model deployment below (the deployment path) and by ``engine.local`` inside the gateway's
+    own process (``gateway.serve_model``). Start-up is bounded by ``startup_timeout_s``."""
 
-@serve.deployment
-class ModelServer:
-    """Ray Serve deployment wrapping one backend. Start-up is bounded by ``startup_timeout_s``."""
+    def __init__(self, cfg: ModelConfig, server: Backend, top_tier: TopTierWindow | None,
+                 watch: LoopWatch) -> None:
+        self.cfg = cfg
+        self.server = server
+        self.top_tier = top_tier
+        self.watch = watch
 
-    # Ray Serve awaits an async constructor; mypy knows only synchronous ones.
-    async def __init__(  # type: ignore[misc]
-        self, model: dict[str, Any], cache_dir: str, top_priority: int = 0
-    ) -> None:
-        logflush.install()  # warnings and errors reach the replica log at once
-        self.cfg = ModelConfig.model_validate(model)
-        self.watch = LoopWatch(ProcessMetrics.for_this_replica("model"))
-        self.watch.start()
-        auto = self.cfg.deployment.autoscaling_config
+    @classmethod
+    async def create(cls, model: dict[str, Any], cache_dir: str, top_priority: int = 0) -> ModelService:
+        """Validate the model's config, build its backend and start it (bounded)."""
+        cfg = ModelConfig.model_validate(model)
+        watch = LoopWatch(ProcessMetrics.for_this_replica("model"))
+        watch.start()
+        auto = cfg.deployment.autoscaling_config
         objective = auto.objective_policy if auto is not None else None
         # The top tier's TTFT and wait, for autoscale.ObjectivePolicy (record_autoscaling_stats).
-        self.top_tier = (TopTierWindow(top_priority, objective.window_s)
-                         if objective is not None else None)
-        self.server: Backend
-        if self.cfg.synthetic is not None:  # no engine: made-up tokens for gateway benchmarks
-            self.server = SyntheticServer(self.cfg)
+        top_tier = (TopTierWindow(top_priority, objective.window_s)
+                    if objective is not None else None)
+        server: Backend
+        if cfg.synthetic is not None:  # no engine: made-up tokens for gateway benchmarks
+            server = SyntheticServer(cfg)
         else:
-            path = await asyncio.to_thread(resolve_source, self.cfg.source, cache_dir)
-            self.server = EngineServer(self.cfg, path, top_priority)
+            path = await asyncio.to_thread(resolve_source, cfg.source, cache_dir)
+            server = EngineServer(cfg, path, top_priority)
         try:
-            await asyncio.wait_for(self.server.start(), self.cfg.startup_timeout_s)
-        except TimeoutError:
-            self.server.shutdown()
+            await asyncio.wait_for(server.start(), cfg.startup_timeout_s)
+        except BaseException:
+            watch.cancel()
+            server.shutdown()
+            if not isinstance(sys.exc_info()[1], TimeoutError):
+                raise
             raise RuntimeError(
-                f"engine for {self.cfg.id!r} did not start within {self.cfg.startup_timeout_s:.0f} s"
+                f"engine for {cfg.id!r} did not start within {cfg.startup_timeout_s:.0f} s"
             ) from None
+        return cls(cfg, server, top_tier, watch)
 
     async def handle(self, endpoint: str, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Any]:
         """One request of ``ENDPOINTS[endpoint]``, with the context the gateway decided. The head
@@ -83,16 +93,15 @@ class ModelServer:
             if self.top_tier is not None:
                 self.top_tier.end(track)
 
-    async def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         """Engine facts for operators and tests: requests the engine holds, those waiting in this
         replica for a slot (``admission.reserved_slots``), and the completion tokens the engine
         has made for streamed requests since the replica started."""
         return {"model": self.cfg.id, "max_num_seqs": self.cfg.engine.max_num_seqs,
                 **self.server.diagnostics()}
 
-    async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Ray Serve's hook for custom autoscaling metrics (autoscale.ObjectivePolicy reads them):
-        the top tier's TTFT and wait p95 over the window; nothing when that policy is off."""
+    def autoscaling_stats(self) -> dict[str, float]:
+        """The top tier's TTFT and wait p95 over the window; nothing when that policy is off."""
         return self.top_tier.stats() if self.top_tier is not None else {}
 
     async def check_health(self) -> None:
@@ -100,10 +109,39 @@ class ModelServer:
         # replica. The watchdog also exits the replica 0.5 s after the death (watchdog.py).
         await self.server.check_health()
 
+    def shutdown(self) -> None:
+        """Stop the engine and the loop watch (idempotent)."""
+        self.watch.cancel()
+        self.server.shutdown()
+
+
+@serve.deployment
+class ModelServer:
+    """Ray Serve deployment wrapping one ``ModelService``: one replica, one backend."""
+
+    # Ray Serve awaits an async constructor; mypy knows only synchronous ones.
+    async def __init__(  # type: ignore[misc]
+        self, model: dict[str, Any], cache_dir: str, top_priority: int = 0
+    ) -> None:
+        logflush.install()  # warnings and errors reach the replica log at once
+        self.service = await ModelService.create(model, cache_dir, top_priority)
+
+    async def handle(self, endpoint: str, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Any]:
+        """One request (``ModelService.handle``): the gateway's one entry point on this replica."""
+        async for item in self.service.handle(endpoint, body, ctx):
+            yield item
+
+    async def stats(self) -> dict[str, Any]:
+        return self.service.stats()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's hook for custom autoscaling metrics (autoscale.ObjectivePolicy reads them)."""
+        return self.service.autoscaling_stats()
+
+    async def check_health(self) -> None:
+        await self.service.check_health()
+
     def __del__(self) -> None:
-        watch = getattr(self, "watch", None)
-        if watch is not None:
-            watch.cancel()
-        server = getattr(self, "server", None)
-        if server is not None:
-            server.shutdown()
+        service = getattr(self, "service", None)  # absent if the constructor failed
+        if service is not None:
+            service.shutdown()

@@ -24,13 +24,14 @@ from serve_app.gateway.accounting.usage import Usage
 from serve_app.gateway.admission.admission import Admission
 from serve_app.gateway.admission.budgets import Budgets
 from serve_app.gateway.admission.drain import Drain
-from serve_app.gateway.forward import Forwarder
+from serve_app.gateway.forward import Forwarder, HandleClient
 from serve_app.gateway.http.api import GatewayDeps, build_api
 from serve_app.gateway.outage import OutageGuard
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing.replicas import LiveReplicas, serve_status_fetch
 from serve_app.gateway.routing.router import Router
 from serve_app.metrics import AuditMetrics, FlowMetrics, GatewayMetrics, ProcessMetrics, StageMetrics
+from serve_app.protocol import ModelClient
 from serve_app.runtime import logflush, niceness
 from serve_app.runtime.procwatch import LoopWatch
 from serve_app.state import open_state
@@ -54,17 +55,19 @@ class Gateway:
         serve_here: Callable[[dict[str, Any], str, int], Awaitable[Any]] | None = None,
     ) -> None:
         """``serve_here`` (``engine.local.start``, passed by ``app.py`` when
-        ``gateway.serve_model`` is set) starts that model's engine in this process; the
-        forwarder then calls it like the other models' handles."""
+        ``gateway.serve_model`` is set) starts that model's engine in this process and returns
+        its in-process ``ModelClient``; every other model is called over its Serve handle
+        (``forward.HandleClient``)."""
         logflush.install()  # warnings and errors reach the replica log at once
         cfg = AppConfig.model_validate(app_config)
         deployments = {m.id: m.deployment_name for m in cfg.models}
         self.local: Any = None
+        clients: dict[str, ModelClient] = {m: HandleClient(h) for m, h in handles.items()}
         served = cfg.served_model
         if served is not None and serve_here is not None:
             self.local = await serve_here(served.model_dump(mode="json"), cfg.cache_dir,
                                           cfg.top_priority)
-            handles = {**handles, served.id: self.local}
+            clients[served.id] = self.local
             # Its running replicas are this deployment's.
             deployments[served.id] = serve.get_replica_context().deployment
         # Every connection and store of this replica; the lifespan closes it once.
@@ -88,16 +91,16 @@ class Gateway:
             cfg.gateway.replicas_refresh_s,
         )
         self.replicas.start()
-        self.admission = Admission(cfg, state.limits, self.replicas)
+        drain = Drain(cfg.gateway.drain_timeout_s, self.replicas)
+        self.admission = Admission(cfg, state.limits, self.replicas, usage, self.budgets, drain)
         self.admission.flow.attach(FlowMetrics.for_this_replica())
         outage = OutageGuard(cfg.gateway.unavailable_hold_s, self.replicas)
-        drain = Drain(cfg.gateway.drain_timeout_s, self.replicas)
-        forwarder = Forwarder(handles, cfg.gateway, outage, drain)
+        forwarder = Forwarder(clients, cfg.gateway, outage, drain)
         self.deps = GatewayDeps(
             cfg=cfg,
             keys=state.keys,
             router=router,
-            pipeline=Pipeline(cfg, router, self.admission, forwarder, usage, self.budgets),
+            pipeline=Pipeline(cfg, router, self.admission, forwarder, usage),
             usage=usage,
             trust_arrival_stamp=serve_constants.RAY_SERVE_ENABLE_HA_PROXY,
             created=int(time.time()) if created is None else created,
@@ -109,7 +112,7 @@ class Gateway:
         from serve_app.batch.wiring import build as build_batch
 
         self.deps.batch, self.batch_runner = build_batch(
-            cfg, state, self.deps.pipeline.handle, self.deps.keys.by_id, process_metrics.tags["replica"])
+            cfg, state, self.deps.pipeline.answer_line, self.deps.keys.by_id, process_metrics.tags["replica"])
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self.deps, self._lifespan)

@@ -1,13 +1,14 @@
-"""Send a request to a model deployment and turn its answer into an HTTP response.
+"""Send a request to a model through its ``ModelClient`` and turn the model's answer into an ``Answer``.
 
 The model answers with a head (status, stream flag, first bytes) and then, for a stream, chunks of
 raw SSE bytes (relayed unparsed) and a trailer (see ``protocol``). When no whole answer comes, an
-OpenAI-shaped error is raised for the pipeline to close the request's ledger with:
+OpenAI-shaped error is raised for the pipeline to close the request's pass with:
 ``ServiceUnavailable`` when nothing ran (the pipeline may fall back), ``AnswerBroken`` when a
 complete answer broke off after its head (the model ran). Otherwise the request's end belongs to
-this module: a complete answer closes the ledger before it is returned, and a stream is a
-``LedgerStream``, whose ``__call__`` ends the request however the response ends. A failure mid-stream becomes a final error event in the endpoint's stream format
-(``protocol.stream_error``), so a stream never just stops.
+this module: a complete answer exits the pass before it is returned, and a stream's ``Answer``
+carries a ``finish`` that its consumer awaits however its reading ended (``Relay.end``). A failure
+mid-stream becomes a final error event in the endpoint's stream format (``protocol.stream_error``),
+so a stream never just stops.
 """
 
 from __future__ import annotations
@@ -25,15 +26,23 @@ from ray.serve.exceptions import (
     ReplicaUnavailableError,
     RequestCancelledError,
 )
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from serve_app import errors
 from serve_app.config import GatewayConfig
 from serve_app.gateway.admission.drain import Drain, Stream
-from serve_app.gateway.admission.ledger import Ledger, Outcome
+from serve_app.gateway.admission.ledger import Outcome, Pass
 from serve_app.gateway.outage import ModelDown, OutageGuard
-from serve_app.protocol import Endpoint, Head, RequestContext, Tokens, stream_error, tokens_of
+from serve_app.protocol import (
+    Answer,
+    Endpoint,
+    Head,
+    ModelCall,
+    ModelClient,
+    RequestContext,
+    Tokens,
+    stream_error,
+    tokens_of,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -42,21 +51,36 @@ _UNAVAILABLE = (DeploymentUnavailableError, ReplicaUnavailableError, RayActorErr
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class HandleClient:
+    """``protocol.ModelClient`` over a model deployment's Serve handle (the deployment path): each
+    call is ``handle.options(stream=True).handle.remote(endpoint, body, ctx)``, whose response
+    generator is the ``ModelCall`` (``__anext__`` and ``cancel``)."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle.options(stream=True)
+        # "grpc" (Ray Serve's throughput mode) or "object refs" (Ray's default), from the last call.
+        self.transport = "none yet"
+
+    def call(self, endpoint: str, body: dict[str, Any], ctx: dict[str, Any]) -> ModelCall:
+        gen = self._handle.handle.remote(endpoint, body, ctx)
+        self.transport = "object refs" if getattr(gen, "by_reference", True) else "grpc"
+        return gen  # type: ignore[no-any-return]
+
+
 class Forwarder:
-    """Calls model deployments through their handles (one handle per model id)."""
+    """Calls models through their clients (one ``ModelClient`` per model id)."""
 
     def __init__(
-        self, handles: Mapping[str, Any], cfg: GatewayConfig, outage: OutageGuard | None = None,
-        drain: Drain | None = None,
+        self, clients: Mapping[str, ModelClient], cfg: GatewayConfig,
+        outage: OutageGuard | None = None, drain: Drain | None = None,
     ) -> None:
-        self._handles = {
-            model_id: h.options(stream=True) for model_id, h in handles.items()
-        }
+        self._clients = dict(clients)
         self.cfg = cfg
         self.outage = outage if outage is not None else OutageGuard(cfg.unavailable_hold_s, None)
         self.drain = drain if drain is not None else Drain(cfg.drain_timeout_s, None)
         # How the last call travelled: "grpc" (Ray Serve's throughput mode), "object refs"
-        # (Ray's default) or "in process" (gateway.serve_model). In the replica's diagnostics (serve-app diagnose); a test checks it.
+        # (Ray's default) or "in process" (gateway.serve_model). In the replica's diagnostics
+        # (serve-app diagnose); a test checks it.
         self.transport = "none yet"
 
     def unavailable(self, message: str) -> errors.ServiceUnavailable:
@@ -68,23 +92,21 @@ class Forwarder:
 
     async def forward(
         self,
-        ledger: Ledger,
+        admitted: Pass,
         endpoint: Endpoint,
         body: dict[str, Any],
         ctx: RequestContext,
         headers: dict[str, str],
-    ) -> Response:
-        """Call ``ledger.model_id``. Raises ``ServeAppError`` if no whole answer came (the ledger
+    ) -> Answer:
+        """Call ``admitted.model_id``. Raises ``ServeAppError`` if no whole answer came (the pass
         stays open for the caller: ``ServiceUnavailable`` when nothing ran, ``AnswerBroken`` when a
-        complete answer broke off after its head); otherwise returns a response that owns the
-        ledger's close (done already for a complete answer, by ``LedgerStream`` for a stream)."""
+        complete answer broke off after its head); otherwise returns an ``Answer`` that owns the
+        pass's exit (done already for a complete answer, by its ``finish`` for a stream)."""
         start = time.monotonic()
-        model_id = ledger.model_id
-        if self.drain.draining:
-            raise self.unavailable("the server is shutting down; retry shortly")
-        gen = self._handles[model_id].handle.remote(endpoint.name, body, ctx.to_dict())
-        self.transport = getattr(gen, "transport", None) or (
-            "object refs" if getattr(gen, "by_reference", True) else "grpc")
+        model_id = admitted.model_id
+        client = self._clients[model_id]
+        gen = client.call(endpoint.name, body, ctx.to_dict())
+        self.transport = client.transport
         first = await self._first(model_id, gen, start)
         if first["status"] == 503 and not first["stream"]:
             # The replica's engine died (engine/watchdog.py): nothing ran. A ServiceUnavailable
@@ -92,27 +114,25 @@ class Forwarder:
             gen.cancel()
             self.outage.saw_failure(model_id)
             raise self.model_unavailable(model_id, "restarting its engine")
-        clock = ledger.clock
+        clock = admitted.clock
         timing = first.get("timing")
         if timing is not None:  # the replica's start and first item split Ray's queue from the engine
             clock.mark("handle", at=timing["start"])
             clock.mark("engine", at=timing["first"])
         headers = {**headers, "Server-Timing": clock.server_timing()}
         if first["stream"]:
-            relay = Relay(self, ledger, endpoint, first, gen)
-            return LedgerStream(relay, headers={**headers, **STREAM_HEADERS})
+            relay = Relay(self, admitted, endpoint, first, gen)
+            return relay.answer({**headers, **STREAM_HEADERS})
         try:
             answer = await self._rest(model_id, gen, first) if first.get("parts") else first["body"]
         finally:
             gen.cancel()  # the answer is complete (or broken); release the stream promptly
         clock.mark("relay")
         tokens = first["tokens"] if first["tokens"] is not None else tokens_of(0, 0)
-        await ledger.close(Outcome(first["status"], tokens, ttft_s=None, duration_s=clock.elapsed_s()))
-        return Response(
-            answer, status_code=first["status"], media_type="application/json", headers=headers
-        )
+        await admitted.exit(Outcome(first["status"], tokens, ttft_s=None, duration_s=clock.elapsed_s()))
+        return Answer(first["status"], headers, body=answer)
 
-    async def _rest(self, model_id: str, gen: Any, first: Head) -> bytes:
+    async def _rest(self, model_id: str, gen: ModelCall, first: Head) -> bytes:
         """A complete answer sent in parts (``protocol.split_complete``): the head's bytes and the
         ``parts`` that follow it. Raises ``AnswerBroken`` if they stop coming: the model ran."""
         parts = [first["body"]]
@@ -131,7 +151,7 @@ class Forwarder:
             ) from None
         return b"".join(parts)
 
-    async def _first(self, model_id: str, gen: Any, start: float) -> Head:
+    async def _first(self, model_id: str, gen: ModelCall, start: float) -> Head:
         """The model's head, or the error that stands for no answer. A model with no healthy
         replica holds the request at most ``unavailable_hold_s`` (outage.py)."""
         try:
@@ -165,10 +185,10 @@ class Forwarder:
 class Relay:
     """One model stream on its way to the client, and what it has told of its tokens so far."""
 
-    def __init__(self, fwd: Forwarder, ledger: Ledger, endpoint: Endpoint, first: Head,
-                 gen: Any) -> None:
+    def __init__(self, fwd: Forwarder, admitted: Pass, endpoint: Endpoint, first: Head,
+                 gen: ModelCall) -> None:
         self._fwd = fwd
-        self._ledger = ledger
+        self._admitted = admitted
         self._endpoint = endpoint
         self._first = first
         self._gen = gen
@@ -185,13 +205,28 @@ class Relay:
         self._final: Tokens | None = None
         # In flight from the head on: a graceful stop ends it cleanly (drain.py).
         self._stream: Stream = fwd.drain.track(gen.cancel)
-        self._books: asyncio.Future[None] | None = None  # the ledger's one close (``_close``)
+        self._books: asyncio.Future[None] | None = None  # the pass's one exit (``_close``)
+        self._chunks: AsyncGenerator[bytes, None] | None = None
+
+    def answer(self, headers: dict[str, str]) -> Answer:
+        """The stream as an ``Answer``: its events are ``chunks``, its ``finish`` is ``finish``."""
+        self._chunks = self.chunks()
+        return Answer(200, headers, events=self._chunks, finish=self.finish)
+
+    async def finish(self) -> None:
+        """End the stream's request however its reading ended: close the events (a generator
+        never started has no ``finally`` of its own to run), then ``end``."""
+        try:
+            if self._chunks is not None:
+                await self._chunks.aclose()
+        finally:
+            await self.end()
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The SSE bytes for the client; the request's end is ``end``'s, not this generator's."""
-        cfg, model_id, gen = self._fwd.cfg, self._ledger.model_id, self._gen
+        cfg, model_id, gen = self._fwd.cfg, self._admitted.model_id, self._gen
         try:
-            clock = self._ledger.clock
+            clock = self._admitted.clock
             self._ttft = clock.ttft_s(clock.mark("relay"))
             if self._first["body"]:
                 yield self._first["body"]
@@ -242,30 +277,6 @@ class Relay:
         stream's end with the counts the last chunk told."""
         if self._books is None:
             tokens = self._final or tokens_of(self._prompt, self._completion)
-            self._books = asyncio.ensure_future(self._ledger.close(Outcome(
-                200, tokens, ttft_s=self._ttft, duration_s=self._ledger.clock.elapsed_s())))
+            self._books = asyncio.ensure_future(self._admitted.exit(Outcome(
+                200, tokens, ttft_s=self._ttft, duration_s=self._admitted.clock.elapsed_s())))
         await asyncio.shield(self._books)
-
-
-class LedgerStream(StreamingResponse):
-    """A relayed stream that ends its request exactly once, however the response ends.
-
-    Starlette calls ``__call__`` for every response it sends, even when the client is gone before
-    the body starts; a ``finally`` inside the body iterator would then never run (the generator
-    never started). So ``__call__``'s own ``finally`` is the stream's one closer: it closes the
-    body iterator, cancels the model's stream if unfinished and closes the ledger (``Relay.end``).
-    """
-
-    def __init__(self, relay: Relay, headers: Mapping[str, str]) -> None:
-        self._chunks = relay.chunks()
-        super().__init__(self._chunks, media_type="text/event-stream", headers=headers)
-        self.relay = relay
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self._chunks.aclose()
-            finally:
-                await self.relay.end()

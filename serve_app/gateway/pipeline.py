@@ -1,13 +1,14 @@
-"""One model request through the gateway: route, admit, forward (with fallback), account.
+"""One model request through the gateway: route, admit, call the model (with fallback), answer.
 
 The HTTP routes only parse and authenticate; everything a request goes through after that is here,
 in order, so the whole path reads top to bottom:
 
-    Router.resolve -> Admission.admit -> Ledger (opened) -> Forwarder.forward -> Ledger.close
+    Router.resolve -> Admission.enter (a Pass) -> Forwarder.forward (an Answer) -> Pass.exit
 
-A request refused at admission is recorded as a rejection and has no ledger. Once admitted, its
-ledger is closed exactly once: here when no whole answer came (after one fallback, if the model
-has one and nothing ran), or by the forwarder's response when the answer ends.
+A request refused at admission gets one ``errors.Refused`` and holds nothing. Once admitted, its
+pass exits exactly once: here when no whole answer came (after one fallback, if the model has one
+and nothing ran), or by the forwarder's answer when it ends. The ``Answer`` is a domain object: the
+HTTP routes and the batch runner consume it alike, and nothing here knows HTTP.
 """
 
 from __future__ import annotations
@@ -18,28 +19,19 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from starlette.responses import Response
-
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
 from serve_app.gateway.accounting.timing import StageClock
 from serve_app.gateway.accounting.tracecontext import TraceContext
 from serve_app.gateway.accounting.usage import Usage
 from serve_app.gateway.admission.admission import Admission
-from serve_app.gateway.admission.budgets import Budgets
-from serve_app.gateway.admission.ledger import NO_TOKENS, Ledger, Outcome
+from serve_app.gateway.admission.ledger import NO_TOKENS, Outcome
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.routing.affinity import affinity_key
 from serve_app.gateway.routing.router import Router
-from serve_app.protocol import Endpoint, RequestContext
+from serve_app.protocol import Answer, Endpoint, RequestContext
 
 logger = logging.getLogger("ray.serve")
-
-
-def _rejection_reason(exc: errors.ServeAppError) -> str:
-    if isinstance(exc, errors.RateLimited):
-        return "rate_limit"
-    return "shed" if isinstance(exc, errors.Shed) else "backpressure"
 
 
 def _no_answer(exc: BaseException) -> Outcome:
@@ -57,9 +49,7 @@ class Pipeline:
 
     def __init__(
         self, cfg: AppConfig, router: Router, admission: Admission, forwarder: Forwarder, usage: Usage,
-        budgets: Budgets | None = None,
     ) -> None:
-        self.budgets = budgets
         self.cfg = cfg
         self.router = router
         self.admission = admission
@@ -69,7 +59,7 @@ class Pipeline:
     async def handle(
         self, key: KeyRecord, endpoint: Endpoint, body: dict[str, Any], size: int,
         clock: StageClock, trace: TraceContext, headers: Mapping[str, str] | None = None,
-    ) -> Response:
+    ) -> Answer:
         """``clock`` runs from the request's arrival at the front door (``timing``) and has its
         ``parse_auth`` stage marked; every later stage is marked on the way down and up."""
         route = self.router.resolve(body.get("model"), key)
@@ -81,60 +71,43 @@ class Pipeline:
         model_id = route.pick()
         fallback = self.router.fallback(model_id)
         candidates = [model_id] if fallback is None else [model_id, fallback]
-        try:
-            ticket = await self.admission.admit(key, candidates, body, size, endpoint=endpoint)
-        except (errors.RateLimited, errors.ServiceUnavailable) as exc:
-            await self.usage.rejected(key, model_id, _rejection_reason(exc))
-            raise
-        budget = None
-        if self.budgets is not None:
-            try:  # the admission's token reservation, on the key's and tenant's budgets
-                budget = await self.budgets.reserve(key, ticket.reserved_tokens)
-            except errors.QuotaExceeded:
-                await self.admission.settle(ticket, 0)
-                await self.usage.rejected(key, model_id, "budget")
-                raise
-            if budget is not None:
-                ticket.headers.update(budget.headers)
-        clock.mark("admission")
-        try:
-            queued = await self.admission.queue(ticket, clock)  # the model's flow queue, if it has one
-        except errors.ServiceUnavailable:
-            await self.usage.rejected(key, ticket.model_id, "queue_timeout")
-            raise
-        if queued:
-            clock.mark("queue")
-        if ticket.model_id != model_id:
-            logger.warning("model %s has no room; falling back to %s", model_id, ticket.model_id)
-        ledger = Ledger(key, self.admission.tier(key), ticket, self.admission, self.usage, fallback,
-                        clock, trace)
-        ledger.budget = budget
+        admitted = await self.admission.enter(key, candidates, endpoint, body, size, clock, trace)
+        if admitted.model_id != model_id:
+            logger.warning("model %s has no room; falling back to %s", model_id, admitted.model_id)
         ctx = RequestContext(
             request_id=uuid.uuid4().hex,
             key_id=key.id,
             tier=key.tier,
-            priority=ledger.tier.priority,
+            priority=admitted.tier.priority,
             deadline=clock.arrival + self.cfg.gateway.request_timeout_s,
             tenant=key.tenant_id,
             arrival=clock.arrival,
             traceparent=trace.traceparent(),
             affinity=affinity_key(key.tenant_id, endpoint, headers or {}, body),
         )
-        # x-request-id is set by Ray Serve's proxy (bounded by gateway/proxy_middleware.py).
+        # x-request-id is set by Ray Serve's proxy (bounded by gateway/http/proxy_middleware.py).
         try:
             while True:
-                headers = {"x-served-by": ledger.model_id, **ticket.headers}
+                answer_headers = {"x-served-by": admitted.model_id, **admitted.headers}
                 try:
-                    return await self.forwarder.forward(ledger, endpoint, body, ctx, headers)
+                    return await self.forwarder.forward(admitted, endpoint, body, ctx,
+                                                        answer_headers)
                 except errors.ServiceUnavailable:
                     # The model refused it (no replica, or Ray Serve's own queue bound): nothing
                     # ran, so its fallback may run it.
-                    unavailable = ledger.model_id
-                    if not ledger.fall_back():
+                    unavailable = admitted.model_id
+                    if not admitted.fall_back():
                         raise
                     logger.warning("model %s unavailable; falling back to %s",
-                                   unavailable, ledger.model_id)
+                                   unavailable, admitted.model_id)
                     ctx = dataclasses.replace(ctx, request_id=uuid.uuid4().hex)
         except BaseException as exc:
-            await ledger.close(_no_answer(exc))
+            await admitted.exit(_no_answer(exc))
             raise
+
+    async def answer_line(self, key: KeyRecord, endpoint: Endpoint, body: dict[str, Any],
+                          size: int, arrival: float) -> Answer:
+        """One request that did not come over HTTP (a batch line): the same path, timed from
+        ``arrival``, with a trace of its own."""
+        return await self.handle(key, endpoint, body, size, StageClock(arrival),
+                                 TraceContext.from_headers({}))

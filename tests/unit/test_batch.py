@@ -12,7 +12,6 @@ from typing import Any
 import openai
 import pytest
 from openai.types import Batch as SDKBatch
-from starlette.responses import Response
 
 from serve_app import errors
 from serve_app.batch.batches import (
@@ -26,9 +25,7 @@ from serve_app.batch.batches import (
 from serve_app.batch.routes import BatchService
 from serve_app.batch.runner import BatchRunner
 from serve_app.config import AppConfig, KeyRecord
-from serve_app.gateway.accounting.timing import StageClock
-from serve_app.gateway.accounting.tracecontext import TraceContext
-from serve_app.protocol import Endpoint
+from serve_app.protocol import Answer, Endpoint
 from serve_app.state.batches import FileBatchStore, RedisBatchStore
 from serve_app.state.connections import Connections
 from serve_app.state.files import FileStore, ResultFile
@@ -192,7 +189,7 @@ def test_store_lease_is_exclusive_and_lapses(kind: str, tmp_path: Path,
 
 # ---- the runner ---------------------------------------------------------------------------------
 class FakePipeline:
-    """``Pipeline.handle`` for the runner: answers each chat body, refusing some first."""
+    """``Pipeline.answer_line`` for the runner: answers each chat body, refusing some first."""
 
     def __init__(self, refuse_first: int = 0, delay_s: float = 0.0) -> None:
         self.calls: list[tuple[str, str]] = []
@@ -200,7 +197,7 @@ class FakePipeline:
         self.delay_s = delay_s
 
     async def __call__(self, key: KeyRecord, endpoint: Endpoint, body: dict[str, Any],
-                       size: int, clock: StageClock, trace: TraceContext) -> Response:
+                       size: int, arrival: float) -> Answer:
         if self.refuse:
             self.refuse -= 1
             raise errors.Shed("shed", retry_after_s=1)
@@ -211,7 +208,7 @@ class FakePipeline:
             raise errors.ModelNotFound("The model `nope` does not exist.")
         answer = {"object": "chat.completion", "choices": [{"message": {"content": cid}}],
                   "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
-        return Response(json.dumps(answer), media_type="application/json")
+        return Answer(200, {}, body=json.dumps(answer).encode())
 
 
 def _setup(tmp_path: Path, data: bytes, pipeline: FakePipeline,
@@ -350,7 +347,7 @@ def test_sdk_flow_over_the_routes(api: Env) -> None:
     assert b.status == "validating" and b.metadata == {"job": "unit"}
     assert [x.id for x in client.batches.list()] == [b.id]
     deps = api.client.app.state.deps  # type: ignore[attr-defined]
-    runner = BatchRunner(deps.cfg, deps.batch.files, deps.batch.store, deps.pipeline.handle,
+    runner = BatchRunner(deps.cfg, deps.batch.files, deps.batch.store, deps.pipeline.answer_line,
                          deps.keys.by_id)
     asyncio.run(runner.run_batch(b.id))
     done = client.batches.retrieve(b.id)

@@ -1,8 +1,10 @@
-"""serve_app.gateway.forward: relaying a model's head + SSE chunks, closing the request's ledger
+"""serve_app.gateway.forward: relaying a model's head + SSE chunks, exiting the request's pass
 with the engine's token counts (a stream's when its response ends), and mapping handle failures.
 
 The deployment handle is faked: ``handle.options(stream=True).handle.remote(endpoint, body, ctx)``
-returns an object with ``__anext__`` and ``cancel()``, like Ray Serve's DeploymentResponseGenerator.
+returns an object with ``__anext__`` and ``cancel()``, like Ray Serve's DeploymentResponseGenerator;
+``forward.HandleClient`` is the ``ModelClient`` over it. The forwarder's ``Answer`` is checked as
+the HTTP layer serves it (``http.answers.to_response``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from serve_app import errors
 from serve_app.config import APP_NAME, GatewayConfig
 from serve_app.gateway.accounting.timing import StageClock
 from serve_app.gateway.admission.ledger import Outcome
-from serve_app.gateway.forward import Forwarder
+from serve_app.gateway.forward import Forwarder, HandleClient
+from serve_app.gateway.http.answers import to_response
 from serve_app.protocol import (
     ENDPOINTS,
     SSE_DONE,
@@ -39,8 +42,8 @@ CTX = RequestContext(request_id="r1", key_id="k1", tier="standard", priority=3, 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
 
-class FakeLedger:
-    """Records how the forwarder closes the request's books."""
+class FakePass:
+    """Records how the forwarder exits the request's pass."""
 
     model_id = "tiny-chat"
 
@@ -48,14 +51,14 @@ class FakeLedger:
         self.outcomes: list[Outcome] = []
         self.clock = StageClock(time.time())
 
-    async def close(self, out: Outcome) -> None:
+    async def exit(self, out: Outcome) -> None:
         self.outcomes.append(out)
 
 
 def _forwarder(gen: FakeStream, **gw: Any) -> tuple[Forwarder, FakeHandle]:
     handle = FakeHandle(gen)
     cfg = GatewayConfig(**{"retry_after_s": 7, **gw})
-    return Forwarder({"tiny-chat": handle}, cfg), handle
+    return Forwarder({"tiny-chat": HandleClient(handle)}, cfg), handle
 
 
 def _run(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -63,8 +66,8 @@ def _run(coro: Coroutine[Any, Any, Any]) -> Any:
 
 
 async def _forward(fwd: Forwarder, endpoint: str = "chat", ledger: Any = None) -> Response:
-    return await fwd.forward(ledger or FakeLedger(), ENDPOINTS[endpoint], BODY, CTX,
-                             {"x-request-id": "abc"})
+    return to_response(await fwd.forward(ledger or FakePass(), ENDPOINTS[endpoint], BODY, CTX,
+                                         {"x-request-id": "abc"}))
 
 
 async def _body(resp: StreamingResponse) -> bytes:
@@ -253,7 +256,7 @@ def test_client_disconnect_cancels_the_model_request() -> None:
 
 # ---- the ledger is closed once, with the engine's counts ----------------------------------------
 def test_complete_answer_closes_the_ledger_with_its_usage() -> None:
-    ledger = FakeLedger()
+    ledger = FakePass()
     fwd, _ = _forwarder(FakeStream([head(200, b"{}", tokens=tokens_of(5, 7))]))
     _run(_forward(fwd, ledger=ledger))
     assert [o.tokens for o in ledger.outcomes] == [tokens_of(5, 7)]
@@ -261,14 +264,14 @@ def test_complete_answer_closes_the_ledger_with_its_usage() -> None:
 
 
 def test_error_head_closes_the_ledger_with_no_tokens_used() -> None:
-    ledger = FakeLedger()
+    ledger = FakePass()
     fwd, _ = _forwarder(FakeStream([head(400, b'{"error": {}}')]))
     _run(_forward(fwd, ledger=ledger))
     assert [(o.status, o.used_tokens) for o in ledger.outcomes] == [(400, 0)]
 
 
 def test_no_answer_leaves_the_ledger_to_the_caller() -> None:
-    ledger = FakeLedger()
+    ledger = FakePass()
     fwd, _ = _forwarder(FakeStream([BackPressureError(num_queued_requests=1, max_queued_requests=1)]))
     with pytest.raises(errors.ServiceUnavailable):
         _run(_forward(fwd, ledger=ledger))
@@ -276,7 +279,7 @@ def test_no_answer_leaves_the_ledger_to_the_caller() -> None:
 
 
 def test_finished_stream_is_charged_the_trailer_counts() -> None:
-    ledger = FakeLedger()
+    ledger = FakePass()
     gen = FakeStream([head(200, b"data: 1\n\n", stream=True, tokens=tokens_of(3, 1)),
                    (b"data: 2\n\n", 9), trailer(3, 10)])
     fwd, _ = _forwarder(gen)
@@ -292,7 +295,7 @@ def test_a_streams_books_are_written_before_its_last_events_go_out() -> None:
     """The trailer comes before the bytes with the answer's last events (usage, [DONE]); the books
     are closed there, so a gateway that dies once the client has its [DONE] has counted it; the
     stream's end does not close them a second time."""
-    ledger = FakeLedger()
+    ledger = FakePass()
     gen = FakeStream([head(200, b"data: 1\n\n", stream=True, tokens=tokens_of(3, 1)),
                       (b"data: 2\n\n", 9), trailer(3, 10), (b"data: [DONE]\n\n", 10)])
     fwd, _ = _forwarder(gen)
@@ -309,7 +312,7 @@ def test_a_streams_books_are_written_before_its_last_events_go_out() -> None:
 def test_stream_cut_short_is_charged_the_engines_count_not_events() -> None:
     """Pacing merges several tokens into one event: the last chunk's count is what the engine made
     (here 12 tokens in 2 events), where counting events would charge 2."""
-    ledger = FakeLedger()
+    ledger = FakePass()
     gen = FakeStream([head(200, b"data: 1\n\n", stream=True, tokens=tokens_of(40, 5)),
                    (b"data: 2\n\n", 12), HANG])
     fwd, _ = _forwarder(gen)
@@ -325,7 +328,7 @@ def test_stream_cut_short_is_charged_the_engines_count_not_events() -> None:
 def test_a_client_gone_before_the_first_chunk_still_ends_the_request() -> None:
     """Starlette never starts the body iterator then; the response's own ``__call__`` still
     cancels the model's stream and closes the ledger, once."""
-    ledger = FakeLedger()
+    ledger = FakePass()
     gen = FakeStream([head(200, b"data: 1\n\n", stream=True, tokens=tokens_of(8, 0)), HANG])
     fwd, _ = _forwarder(gen)
 
@@ -343,7 +346,7 @@ def test_complete_answer_in_parts_is_joined_whole() -> None:
     body = json.dumps({"data": ["x" * 1000] * 300}).encode()
     gen = FakeStream(split_complete(200, body, tokens_of(3, 0), part_bytes=4096))
     assert len(gen.items) > 2 and all(len(i) <= 4096 for i in gen.items[1:])
-    ledger = FakeLedger()
+    ledger = FakePass()
     fwd, _ = _forwarder(gen)
     resp = _run(_forward(fwd, "embeddings", ledger=ledger))
     assert resp.body == body and resp.status_code == 200
@@ -356,7 +359,7 @@ def test_answer_cut_between_its_parts_is_an_error_not_a_truncated_200() -> None:
     pipeline would fall back on or book as backpressure."""
     items = split_complete(200, b"x" * 10000, None, part_bytes=4096)
     gen = FakeStream([items[0], items[1], RayActorError()])
-    ledger = FakeLedger()
+    ledger = FakePass()
     fwd, _ = _forwarder(gen)
     with pytest.raises(errors.AnswerBroken) as exc_info:
         _run(_forward(fwd, ledger=ledger))
@@ -377,7 +380,8 @@ def test_a_request_held_for_a_lost_replica_is_answered_503_once_none_runs() -> N
     gen = FakeStream([HANG])
     handle = FakeHandle(gen)
     cfg = GatewayConfig(retry_after_s=7, unavailable_hold_s=0.5)
-    fwd = Forwarder({"tiny-chat": handle}, cfg, OutageGuard(cfg.unavailable_hold_s, live))
+    fwd = Forwarder({"tiny-chat": HandleClient(handle)}, cfg,
+                    OutageGuard(cfg.unavailable_hold_s, live))
 
     async def run() -> None:
         task = asyncio.create_task(_forward(fwd))

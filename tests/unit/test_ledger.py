@@ -1,5 +1,5 @@
-"""The request ledger through the real Pipeline, Admission, Forwarder and Usage (only the model
-deployment is fake): every ending closes the books once, with the engine's token counts."""
+"""The request's pass (its books) through the real Pipeline, Admission, Forwarder and Usage (only
+the model deployment is fake): every ending exits the pass once, with the engine's token counts."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from serve_app.gateway.accounting.timing import StageClock
 from serve_app.gateway.accounting.tracecontext import TraceContext
 from serve_app.gateway.accounting.usage import Usage
 from serve_app.gateway.admission.admission import Admission
-from serve_app.gateway.admission.ledger import Ledger, Outcome
-from serve_app.gateway.forward import Forwarder
+from serve_app.gateway.admission.ledger import Outcome, Pass
+from serve_app.gateway.forward import Forwarder, HandleClient
+from serve_app.gateway.http.answers import to_response
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing.router import Router
 from serve_app.protocol import ENDPOINTS, head, split_complete, tokens_of, trailer
@@ -50,13 +51,15 @@ class Env:
         self.handles = {m: FakeHandle(g) for m, g in gens.items()}
         self.store = MemoryUsageStore()
         self.backend = MemoryBackend()
-        self.admission = Admission(cfg, self.backend)
+        usage = Usage(self.store, None)
+        self.admission = Admission(cfg, self.backend, usage=usage)
+        clients = {m: HandleClient(h) for m, h in self.handles.items()}
         self.pipeline = Pipeline(cfg, Router(cfg), self.admission,
-                                 Forwarder(self.handles, cfg.gateway), Usage(self.store, None))
+                                 Forwarder(clients, cfg.gateway), usage)
 
     async def request(self, body: dict[str, Any]) -> Any:
-        return await self.pipeline.handle(KEY, CHAT, body, 40, StageClock(time.time()),
-                                          TraceContext.from_headers({}))
+        return to_response(await self.pipeline.handle(KEY, CHAT, body, 40, StageClock(time.time()),
+                                                      TraceContext.from_headers({})))
 
     async def tpm_charged(self) -> int:
         """Tokens the key's TPM bucket holds charged now (GCRA: each token moves the bucket's
@@ -189,15 +192,15 @@ def test_no_answer_anywhere_is_one_rejection_and_refunds_the_reservation(
     assert env.admission.inflight == {"tiny": 0, "spare": 0}
 
 
-def test_a_second_close_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_second_exit_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
     env = Env(monkeypatch, {"tiny": FakeStream([]), "spare": FakeStream([])})
 
     async def scenario() -> dict[str, int]:
         ticket = await env.admission.admit(KEY, ["tiny"], {"max_tokens": 10}, 0)
-        ledger = Ledger(KEY, env.admission.tier(KEY), ticket, env.admission, env.pipeline.usage, None,
-                        StageClock(time.time()), TraceContext.from_headers({}))
-        await ledger.close(Outcome(200, tokens_of(1, 2)))
-        await ledger.close(Outcome(200, tokens_of(100, 200)))
+        admitted = Pass(KEY, env.admission.tier(KEY), ticket, env.admission, env.pipeline.usage,
+                        None, StageClock(time.time()), TraceContext.from_headers({}))
+        await admitted.exit(Outcome(200, tokens_of(1, 2)))
+        await admitted.exit(Outcome(200, tokens_of(100, 200)))
         return await env.totals()
 
     assert asyncio.run(scenario())["completion_tokens"] == 2

@@ -1,4 +1,4 @@
-"""serve_app.engine.local: a model served in the gateway's process, called like its handle."""
+"""serve_app.engine.local: a model served in the gateway's process, through the ModelClient seam."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from serve_app.engine.local import LocalModel
+from serve_app.engine.local import InProcessClient
 
 
 class FakeServer:
-    """The part of ``ModelServer`` the in-gateway path calls."""
+    """The part of ``ModelService`` the in-gateway path calls."""
 
     def __init__(self) -> None:
         self.closed = False
@@ -32,21 +32,25 @@ class FakeServer:
     async def check_health(self) -> None:
         raise RuntimeError("engine core died")
 
-    async def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         return {"model": "m", "running": 1}
 
+    def shutdown(self) -> None:
+        self.closed = True
 
-def test_the_forwarder_reads_it_like_a_streaming_handle_and_cancel_aborts_the_answer() -> None:
+
+def test_a_call_streams_the_services_answer_and_cancel_aborts_it() -> None:
     server = FakeServer()
-    local = LocalModel(server)
+    local = InProcessClient(server)
 
     async def go() -> tuple[Any, bytes, bool]:
         body = {"model": "m", "stream": True}
-        gen = local.options(stream=True).handle.remote("chat", body, {"request_id": "r"})
-        assert gen.transport == "in process" and body["model"] == "m"  # the caller's body is kept
+        gen = local.call("chat", body, {"request_id": "r"})
+        assert local.transport == "in process" and body["model"] == "m"  # the caller's body is kept
         head = await gen.__anext__()
         chunk = await gen.__anext__()
         gen.cancel()
+        gen.cancel()  # a second cancel does nothing
         for _ in range(5):
             await asyncio.sleep(0)
         return head, chunk, server.closed
@@ -57,7 +61,7 @@ def test_the_forwarder_reads_it_like_a_streaming_handle_and_cancel_aborts_the_an
 
 
 def test_health_and_stats_are_the_servers() -> None:
-    local = LocalModel(FakeServer())
+    local = InProcessClient(FakeServer())
     assert asyncio.run(local.stats()) == {"model": "m", "running": 1}
     with pytest.raises(RuntimeError, match="engine core died"):  # Ray Serve replaces the replica
         asyncio.run(local.check_health())

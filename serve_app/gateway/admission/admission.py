@@ -1,17 +1,26 @@
-"""Admission: a key's tier decides its limits, its scheduling priority and when it is shed.
+"""Admission: may this request run, and what does it hold while it runs.
 
-``Admission.admit`` runs before a request reaches a model, composing three parts:
+``Admission.enter`` is the one way in, and gives a ``Pass`` (``ledger``) whose ``exit`` is the one
+way out: release, charge what ran, refund what never ran, usage and metrics, exactly once. A request
+that may not run gets one ``errors.Refused`` (429 or 503, with ``Retry-After``), recorded as a
+rejection, and holds nothing. A cancellation at any await of ``enter`` (the limit charge, the
+budget reservation, the flow queue) gives back what was taken: a charge or reservation that
+completes after its caller left is undone in the background.
 
-1. the tier policy (``tiers``) clamps the endpoint's max-token field to the tier's cap,
-2. the capacity (``capacity``) takes a slot on the first candidate model with room (503 when
-   none has; a batch tier is shed first); for a model with ``flow.enabled``, the flow queue
-   (``flow``) takes a slot if one is free under its bound, or else a place in its queue,
-3. the limit charge (``charge``) reserves tokens and charges every configured limit at once
-   (key and tier, RPM, TPM and concurrency).
+``enter`` composes, in order (a stopping app, ``drain``, is refused first, and again after a
+queue wait):
 
-``Admission.queue`` then waits for a queued request's slot (the ``queue`` stage; nothing to wait
-for without a flow queue); a request that times out there, or leaves, is refunded its charge.
-The returned ``Ticket`` is settled exactly once when the request ends, with the real token usage.
+1. ``admit``: the tier policy (``tiers``) clamps the endpoint's max-token field to the tier's cap;
+   the capacity (``capacity``) takes a slot on the first candidate model with room (503 when none
+   has; a batch tier is shed first), or for a model with ``flow.enabled`` the flow queue (``flow``)
+   takes a slot if one is free under its bound, else a place in its queue; the limit charge
+   (``charge``) reserves tokens and charges every configured limit at once (key and tier, RPM, TPM
+   and concurrency). What it holds is a ``Ticket``.
+2. the token budgets (``budgets``) reserve the same tokens on the key's and its tenant's budgets
+   (429 ``insufficient_quota`` when spent);
+3. ``queue`` waits for a queued request's slot (the ``queue`` stage; nothing to wait for without a
+   flow queue); past its tier's bound the request gets 503 with ``Retry-After``.
+
 A model with no running replica is not refused here: the forwarder's outage guard holds such a
 request at most ``gateway.unavailable_hold_s`` (``capacity``, ``outage``).
 """
@@ -19,22 +28,40 @@ request at most ``gateway.unavailable_hold_s`` (``capacity``, ``outage``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord, TierConfig
 from serve_app.gateway.accounting.timing import StageClock
+from serve_app.gateway.accounting.tracecontext import TraceContext
+from serve_app.gateway.accounting.usage import Usage
 from serve_app.gateway.admission import charge
+from serve_app.gateway.admission.budgets import BudgetHold, Budgets
 from serve_app.gateway.admission.capacity import Capacity
+from serve_app.gateway.admission.drain import Drain
 from serve_app.gateway.admission.flow import Flow, Waiter
+from serve_app.gateway.admission.ledger import Pass
 from serve_app.gateway.admission.limits import Charge, LimitBackend, clock
 from serve_app.gateway.admission.tiers import TierPolicy
 from serve_app.gateway.routing.replicas import LiveReplicas
 from serve_app.protocol import MAX_TOKENS_FIELDS, Endpoint
 
 _BYTES_PER_TOKEN = 4  # a rough prompt estimate for the reservation; settled to the truth later
+T = TypeVar("T")
+logger = logging.getLogger("ray.serve")
+
+
+def rejection_reason(exc: errors.Refused) -> str:
+    """The ``reason`` label of a refusal at admission (the rejections metric and usage)."""
+    if isinstance(exc, errors.QuotaExceeded):
+        return "budget"
+    if isinstance(exc, errors.RateLimited):
+        return "rate_limit"
+    return "shed" if isinstance(exc, errors.Shed) else "backpressure"
 
 
 @dataclass
@@ -56,10 +83,15 @@ class Admission:
     """Limits and shedding for one gateway replica (counters may be shared through Redis)."""
 
     def __init__(self, cfg: AppConfig, backend: LimitBackend,
-                 replicas: LiveReplicas | None = None) -> None:
+                 replicas: LiveReplicas | None = None, usage: Usage | None = None,
+                 budgets: Budgets | None = None, drain: Drain | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
         self.replicas = replicas
+        self.usage = usage  # where rejections and outcomes are recorded (``enter`` needs it)
+        self.budgets = budgets
+        self.drain = drain  # a stopping app admits nothing new (its streams finish: ``drain``)
+        self._undoing: set[asyncio.Task[None]] = set()  # give-backs of work its caller left
         self.tiers = TierPolicy(cfg)
         self.capacity = Capacity(cfg, replicas)
         self.flow = Flow(cfg, self.capacity)
@@ -78,6 +110,87 @@ class Admission:
     def tier(self, key: KeyRecord) -> TierConfig:
         return self.tiers.tier(key)
 
+    async def enter(
+        self, key: KeyRecord, model_ids: Sequence[str], endpoint: Endpoint, body: dict[str, Any],
+        body_bytes: int, clock: StageClock, trace: TraceContext,
+    ) -> Pass:
+        """Admit the request on the first of ``model_ids`` with room (the primary, then its
+        fallback): limits, capacity, budgets, then the flow queue's wait. Marks the ``admission``
+        and (with a flow queue) ``queue`` stages on ``clock``. Raises ``errors.Refused``
+        (recorded as a rejection) or ``InvalidRequest`` (a reservation no limit could ever admit)
+        with nothing held; a cancellation meanwhile also leaves nothing held."""
+        primary = model_ids[0]
+        usage = self.usage
+        if usage is None:
+            raise RuntimeError("Admission.enter needs the usage recorder (Admission(usage=...))")
+        try:
+            self._refuse_if_draining()
+            ticket = await self.admit(key, model_ids, body, body_bytes, endpoint=endpoint)
+        except errors.Refused as exc:
+            await usage.rejected(key, primary, rejection_reason(exc))
+            raise
+        hold: BudgetHold | None = None
+        waiting = False  # in the flow queue's wait (a refusal there is a queue timeout)
+        try:
+            if self.budgets is not None:  # the admission's token reservation, on the budgets
+                hold = await self._take(self.budgets.reserve(key, ticket.reserved_tokens),
+                                        _settle_hold)
+                if hold is not None:
+                    ticket.headers.update(hold.headers)
+            clock.mark("admission")
+            waiting = True
+            queued = await self.queue(ticket, clock)  # the model's flow queue, if it has one
+            waiting = False
+            self._refuse_if_draining()  # the app began to stop while it waited
+        except BaseException as exc:
+            await asyncio.shield(self._give_back(ticket, hold))
+            if isinstance(exc, errors.Refused):
+                if waiting:
+                    await usage.rejected(key, ticket.model_id, "queue_timeout")
+                else:
+                    await usage.rejected(key, primary, rejection_reason(exc))
+            raise
+        if queued:
+            clock.mark("queue")
+        fallback = model_ids[1] if len(model_ids) > 1 else None
+        entry = Pass(key, self.tier(key), ticket, self, usage, fallback, clock, trace)
+        entry.budget = hold
+        return entry
+
+    def _refuse_if_draining(self) -> None:
+        if self.drain is not None and self.drain.draining:
+            raise errors.ServiceUnavailable("the server is shutting down; retry shortly",
+                                            retry_after_s=self.cfg.gateway.retry_after_s)
+
+    async def _give_back(self, ticket: Ticket, hold: BudgetHold | None) -> None:
+        """Release a ticket and a budget hold that never ran (idempotent: both settle once)."""
+        await self.settle(ticket, 0)
+        await _settle_hold(hold)
+
+    async def _take(self, work: Coroutine[Any, Any, T],
+                    undo: Callable[[T], Awaitable[None]]) -> T:
+        """``await work``, except that a cancellation of the caller does not cancel ``work``
+        midway (a counter charged, its result lost): it runs to its end and is undone."""
+        task = asyncio.ensure_future(work)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            give_back = asyncio.ensure_future(self._undo_when_done(task, undo))
+            self._undoing.add(give_back)
+            give_back.add_done_callback(self._undoing.discard)
+            raise
+
+    @staticmethod
+    async def _undo_when_done(task: asyncio.Future[T], undo: Callable[[T], Awaitable[None]]) -> None:
+        try:
+            result = await task
+        except BaseException:  # it took nothing (refused, failed)
+            return
+        try:
+            await undo(result)
+        except Exception:
+            logger.warning("giving back an abandoned admission failed", exc_info=True)
+
     async def admit(
         self, key: KeyRecord, model_ids: Sequence[str], body: dict[str, Any], body_bytes: int,
         endpoint: Endpoint | None = None,
@@ -95,8 +208,10 @@ class Admission:
         model_id = waiter.model_id
         completion, reserve = self._reservation(model_id, budget.tokens, prompt)
         try:
-            hold = await charge.charge(self.backend, key, self.tiers.key_limits(key), tier.limits,
-                                       reserve, budget.field, clock())
+            hold = await self._take(
+                charge.charge(self.backend, key, self.tiers.key_limits(key), tier.limits,
+                              reserve, budget.field, clock()),
+                lambda h: charge.refund(self.backend, h.gauges, h.token_charges, reserve, 0, clock()))
         except BaseException:
             self.flow.withdraw(waiter)
             raise
@@ -153,3 +268,8 @@ class Admission:
             self.flow.withdraw(ticket.waiter)
         await charge.refund(self.backend, ticket.gauges, ticket.token_charges,
                             ticket.reserved_tokens, used_tokens, clock())
+
+
+async def _settle_hold(hold: BudgetHold | None) -> None:
+    if hold is not None:
+        await hold.settle(0)

@@ -23,7 +23,6 @@ everything it holds, waiting requests included (``refusal``); its own in-flight 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
 
 from serve_app import errors
 from serve_app.config import AppConfig, TierConfig
@@ -58,18 +57,6 @@ class Capacity:
         most = m.deployment.most_replicas
         saturation = None if sat is None else sat * min(running, most) / most
         return capacity, saturation
-
-    def take(self, model_ids: Sequence[str], tier_name: str, tier: TierConfig) -> str:
-        """Count the request in flight on the first model with room, or raise the first refusal."""
-        refusals = []
-        # A model with a running replica before one without (its fallback stands in for it).
-        for model_id in sorted(model_ids, key=lambda m: self.running(m) == 0):
-            refusal = self._refusal(model_id, tier_name, tier)
-            if refusal is None:
-                self.inflight[model_id] += 1
-                return model_id
-            refusals.append(refusal)
-        raise refusals[0]
 
     def release(self, model_id: str) -> None:
         self.inflight[model_id] -= 1

@@ -1,13 +1,14 @@
-"""The books of one admitted request: opened by the pipeline, closed exactly once when it ends.
+"""The pass of one admitted request (``Admission.enter`` gives it), and its one exit.
 
 However a request ends (a complete answer, an error before the first byte, an error mid-stream, a
-client that went away, a fallback), its ``Ledger`` is closed once with an ``Outcome``: that settles
-the admission ticket (concurrency released, the token reservation settled against the engine's
-real count) and records usage and metrics. The ledger also owns the request's one fallback.
+client that went away, a fallback), its ``Pass`` exits once with an ``Outcome``: that settles the
+admission ticket (concurrency released, the token reservation settled against the engine's real
+count), settles the budget hold, and records usage and metrics: release, charge what ran, refund
+what never ran, exactly once. The pass also owns the request's one fallback.
 
-Who closes it: the pipeline when no answer came, the forwarder when it returns a complete answer,
+Who exits it: the pipeline when no answer came, the forwarder when it returns a complete answer,
 and a stream's ``forward.Relay`` at the engine's trailer (before the answer's last events go out)
-or, when none came, as the stream's response ends (however it ends).
+or, when none came, as the stream's answer is finished (however it ends).
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from serve_app import errors
 from serve_app.config import KeyRecord, TierConfig
 from serve_app.gateway.accounting.timing import StageClock
 from serve_app.gateway.accounting.tracecontext import TraceContext
 from serve_app.gateway.accounting.usage import Usage
-from serve_app.gateway.admission.admission import Admission, Ticket
 from serve_app.gateway.admission.budgets import BudgetHold
 from serve_app.protocol import Tokens, tokens_of
+
+if TYPE_CHECKING:
+    from serve_app.gateway.admission.admission import Admission, Ticket
 
 logger = logging.getLogger("ray.serve")
 
@@ -48,8 +52,9 @@ class Outcome:
         return self.tokens["prompt_tokens"] + self.tokens["completion_tokens"]
 
 
-class Ledger:
-    """One admitted request's books: its ticket, its model, its fallback, and its one close."""
+class Pass:
+    """One admitted request: what it holds (its ticket, its budget hold), its model, its
+    fallback, and its one exit."""
 
     def __init__(
         self,
@@ -71,8 +76,13 @@ class Ledger:
         self._usage = usage
         # Admission may already have placed the request on its fallback (the primary was full).
         self._fallback = fallback if fallback != ticket.model_id else None
-        self._books: asyncio.Task[None] | None = None  # the one write of the books (``close``)
+        self._books: asyncio.Task[None] | None = None  # the one write of the books (``exit``)
         self.budget: BudgetHold | None = None  # the budgets' reservation, settled with the ticket
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What the answer tells of the limits and budgets that admitted it."""
+        return self.ticket.headers
 
     @property
     def model_id(self) -> str:
@@ -89,13 +99,14 @@ class Ledger:
             return False
         return True
 
-    async def close(self, out: Outcome) -> None:
-        """Settle the ticket and record the outcome. Only the first call counts. The books are
-        written to the end even if the caller is cancelled meanwhile (a client that went away)."""
+    async def exit(self, out: Outcome) -> None:
+        """Settle what the request holds and record the outcome. Only the first call counts. The
+        books are written to the end even if the caller is cancelled meanwhile (a client that went
+        away)."""
         if self._books is None:
             self._books = asyncio.ensure_future(self._write(out))
         else:
-            logger.warning("request on %s closed twice; the second close is ignored", self.model_id)
+            logger.warning("request on %s exited twice; the second exit is ignored", self.model_id)
         await asyncio.shield(self._books)
 
     async def _write(self, out: Outcome) -> None:

@@ -20,6 +20,7 @@ from serve_app.gateway.accounting.tracecontext import TraceContext
 from serve_app.gateway.accounting.usage import Usage
 from serve_app.gateway.admission.budgets import Budgets
 from serve_app.gateway.http.admin import mount_admin
+from serve_app.gateway.http.answers import to_response
 from serve_app.gateway.http.body import parse_body
 from serve_app.gateway.keys import access
 from serve_app.gateway.pipeline import Pipeline
@@ -117,8 +118,9 @@ def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> F
                 check(body)
             clock.mark("parse_auth")
             trace = TraceContext.from_headers(request.headers)
-            return await d.pipeline.handle(key, endpoint, body, size, clock, trace,
-                                           request.headers)
+            answer = await d.pipeline.handle(key, endpoint, body, size, clock, trace,
+                                             request.headers)
+            return to_response(answer)
 
         route.__name__ = endpoint.name
         return route
