@@ -14,6 +14,9 @@ also those inside functions, so a lazy import cannot hide a dependency.
   -> routing -> accounting. A request's path reads top to bottom, and no lower layer reaches up.
 - ``serve_app/state`` (the connections and stores) imports nothing of the gateway, the engine or
   batch: they use it, never the other way round.
+- ``serve_app/batch`` runs lines through the gateway's pipeline as a domain ``Answer``: outside
+  its routes module (and ``wiring``, which builds the routes' service), it imports nothing HTTP
+  (fastapi, starlette) and nothing of the gateway.
 - ``loadtests/`` treats the service as a black box: from serve_app it imports only
   ``serve_app.config``, and the only serve_app module it names (to run it) is ``serve_app.cli``.
   One exception: ``serve_app.local.ports``, the one free-port finder (stdlib only, no app
@@ -152,6 +155,16 @@ def state_violations(root: Path) -> Violations:
         for p in files(root, "serve_app/state")})
 
 
+BATCH_MAY_SPEAK_HTTP = ("serve_app/batch/routes.py", "serve_app/batch/wiring.py")
+
+
+def batch_violations(root: Path) -> Violations:
+    return _only_hits({str(p.relative_to(root)): [
+        n for n in imports_of(p, root) if within(n, "fastapi", "starlette", "serve_app.gateway")]
+        for p in files(root, "serve_app/batch")
+        if str(p.relative_to(root)) not in BATCH_MAY_SPEAK_HTTP})
+
+
 def engine_violations(root: Path) -> Violations:
     return _only_hits({str(p.relative_to(root)): [n for n in imports_of(p, root)
                                                   if within(n, "serve_app.gateway", *WIRING)]
@@ -190,6 +203,11 @@ def test_gateway_packages_import_only_downward() -> None:
 def test_state_imports_none_of_its_users() -> None:
     assert any(files(ROOT, "serve_app/state"))
     assert state_violations(ROOT) == {}
+
+
+def test_batch_imports_nothing_http_outside_its_routes() -> None:
+    assert (ROOT / "serve_app/batch/runner.py").exists()
+    assert batch_violations(ROOT) == {}
 
 
 def test_engine_never_imports_the_gateway() -> None:
@@ -246,6 +264,8 @@ def test_layer_checker_sees_an_import_that_reaches_up(tmp_path: Path) -> None:
         "serve_app/gateway/admission/flow.py": "def f():\n    from serve_app.gateway.http import api\n",
         "serve_app/gateway/stray.py": "",
         "serve_app/state/__init__.py": "from serve_app.gateway.keys import store\n",
+        "serve_app/batch/runner.py": "from starlette.responses import Response\n",
+        "serve_app/batch/routes.py": "from fastapi import APIRouter\n",
     })
     assert gateway_layer_violations(root) == {
         "serve_app.gateway.admission.flow": ["serve_app.gateway.http", "serve_app.gateway.http.api"],
@@ -253,6 +273,8 @@ def test_layer_checker_sees_an_import_that_reaches_up(tmp_path: Path) -> None:
     }
     assert state_violations(root) == {"serve_app/state/__init__.py": [
         "serve_app.gateway.keys", "serve_app.gateway.keys.store"]}
+    assert batch_violations(root) == {"serve_app/batch/runner.py": [
+        "starlette.responses", "starlette.responses.Response"]}
 
 
 def test_the_port_finder_that_loadtests_share_imports_nothing_of_the_app() -> None:
