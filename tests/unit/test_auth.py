@@ -3,8 +3,10 @@ keeps (serve_app.state.keys)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +72,38 @@ def test_same_digest() -> None:
     d = digest("a")
     assert same_digest(d, digest("a"))
     assert not same_digest(d, digest("b"))
+
+
+def test_a_key_created_elsewhere_a_moment_ago_is_accepted_before_the_next_poll(
+    tmp_path: Path,
+) -> None:
+    """Two replicas' stores on one SQLite file; the background poll is not running. A key created
+    through the other store is accepted on its first request (an unknown secret refreshes the
+    memory first), and a secret that stays unknown is refused 401."""
+    from starlette.requests import Request
+
+    from serve_app import errors
+    from serve_app.config import GatewayConfig
+    from serve_app.gateway.keys.access import identify
+    from serve_app.gateway.keys.ops import KeyOps
+    from serve_app.state.connections import Connections
+    from serve_app.state.keys import open_key_store
+
+    gw = GatewayConfig(state_dir=str(tmp_path), keys_store="sqlite",
+                       keys_file=str(tmp_path / "keys.yaml"))
+
+    def request(secret: str) -> Request:
+        return Request({"type": "http", "method": "GET", "path": "/v1/models", "headers": [
+            (b"authorization", f"Bearer {secret}".encode())]})
+
+    async def go() -> None:
+        here = open_key_store(gw, Connections(None, tmp_path))
+        await here.refresh(force=True)
+        issued = await KeyOps(open_key_store(gw, Connections(None, tmp_path))).create("fresh")
+        assert here.lookup(issued.secret) is None  # the memory has not seen it yet
+        await asyncio.sleep(here.interval_s)  # past the refresh interval, with no poll running
+        assert (await identify(request(issued.secret), here, None)).id == "fresh"
+        with pytest.raises(errors.AuthenticationFailed):
+            await identify(request(new_secret()), here, None)
+
+    asyncio.run(go())

@@ -64,7 +64,7 @@ def _deps(request: Request) -> Any:
 async def admin_key(request: Request) -> KeyRecord:
     """The admin key of the request: 401 without a valid key, 403 with a client key."""
     d = _deps(request)
-    key = access.identify(request, d.keys, d.audit)
+    key = await access.identify(request, d.keys, d.audit)
     if key.role != "admin":
         if d.audit is not None:
             d.audit.record("admin_denied", actor=key.id, target=None, result="forbidden",

@@ -66,7 +66,7 @@ async def authenticate(request: Request, d: GatewayDeps = Depends(get_deps)) -> 
     """The key the request authenticates with (Bearer or x-api-key), or 401 (expired keys too);
     an admin key gets 403 here: it serves the admin API only."""
     # async: FastAPI would run a sync dependency in a thread pool, a hop on every request.
-    key = access.identify(request, d.keys, d.audit)
+    key = await access.identify(request, d.keys, d.audit)
     if key.role == "admin":
         raise errors.PermissionDenied("Admin keys are accepted only on the admin API (/admin/v1).")
     return key
