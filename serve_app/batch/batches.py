@@ -19,7 +19,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import orjson
+
 from serve_app import errors
+from serve_app.bodies import check_fields, check_size, parse_body
+from serve_app.config import GatewayConfig
 from serve_app.protocol import json_offence
 from serve_app.state.batches import TERMINAL, BatchDocs
 
@@ -156,14 +160,17 @@ class Line:
     error: str | None = None
 
 
-def parse_line(number: int, raw: bytes, url: str) -> Line:
-    """One line of a batch input file against the batch's endpoint ``url``."""
+DEFAULT_MAX_BODY = GatewayConfig.model_fields["max_body_bytes"].default
+
+
+def parse_line(number: int, raw: bytes, url: str, max_body_bytes: int = DEFAULT_MAX_BODY) -> Line:
+    """One line of a batch input file against the batch's endpoint ``url``. Its body passes the
+    same rules as an HTTP request's (``bodies``): strict JSON (depth, 64-bit integers, no NaN or
+    lone surrogates), at most ``max_body_bytes``, no field the gateway owns."""
     try:
-        obj = json.loads(raw)
-    except ValueError:
-        return Line(number, None, error="the line is not valid JSON")
-    if not isinstance(obj, dict):
-        return Line(number, None, error="the line is not a JSON object")
+        obj = parse_body(raw)
+    except errors.InvalidRequest as exc:
+        return Line(number, None, error=_lax_reason(raw) or exc.message)
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid or len(cid) > MAX_CUSTOM_ID:
         return Line(number, None,
@@ -178,6 +185,11 @@ def parse_line(number: int, raw: bytes, url: str) -> Line:
     offence = json_offence(body)
     if offence is not None:
         return Line(number, cid, error=f"body: {offence}")
+    try:
+        check_size(len(orjson.dumps(body)), max_body_bytes)
+        check_fields(body)
+    except errors.ServeAppError as exc:
+        return Line(number, cid, error=f"body: {exc.message}")
     if body.get("stream"):
         return Line(number, cid, error="stream is not supported in a batch")
     if not isinstance(body.get("model"), str):
@@ -185,10 +197,25 @@ def parse_line(number: int, raw: bytes, url: str) -> Line:
     return Line(number, cid, body=body)
 
 
-def parse_input(data: bytes, url: str, max_lines: int) -> tuple[list[Line], list[dict[str, Any]]]:
+def _lax_reason(raw: bytes) -> str | None:
+    """What a line that is valid to a lax parser lacks (an object; its body's offence), in the
+    words the batch API has always used; None when it is not JSON at all."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):
+        return "the line is not valid JSON"
+    if not isinstance(obj, dict):
+        return "the line is not a JSON object"
+    body = obj.get("body")
+    offence = json_offence(body) if isinstance(body, dict) else None
+    return f"body: {offence}" if offence is not None else None
+
+
+def parse_input(data: bytes, url: str, max_lines: int, max_body_bytes: int = DEFAULT_MAX_BODY,
+                ) -> tuple[list[Line], list[dict[str, Any]]]:
     """Every non-blank line of an input file, and the errors that fail the whole batch (no
     lines, too many, a repeated ``custom_id``: results are keyed by it)."""
-    lines = [parse_line(n, raw, url)
+    lines = [parse_line(n, raw, url, max_body_bytes)
              for n, raw in enumerate(data.splitlines(), start=1) if raw.strip()]
     if not lines:
         return lines, [{"code": "empty_file", "message": "the input file has no requests",

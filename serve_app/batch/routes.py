@@ -16,8 +16,8 @@ from starlette.types import Message
 
 from serve_app import errors
 from serve_app.batch.batches import COMPLETION_WINDOWS, Batch, BatchStore, check_create
+from serve_app.bodies import parse_body
 from serve_app.config import AppConfig, KeyRecord
-from serve_app.gateway.http.body import parse_body
 from serve_app.state.files import PURPOSES, FileStore, new_id
 
 Authenticate = Callable[..., Any]

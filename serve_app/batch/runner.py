@@ -98,6 +98,7 @@ class BatchRunner:
         self.clock = clock
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.tier = cfg.batch_tier
+        self.max_body_bytes = cfg.gateway.max_body_bytes  # a line's body: the HTTP API's limit
         self.running: dict[str, asyncio.Task[None]] = {}
         self._loop_task: asyncio.Task[None] | None = None
         self._pending: dict[str, int] = {}
@@ -180,7 +181,7 @@ class BatchRunner:
             if data is None:
                 await self._fail(b, "input_file_missing", "the input file was deleted")
                 return
-            lines, fatal = parse_input(data, b.endpoint, self.bcfg.max_lines)
+            lines, fatal = parse_input(data, b.endpoint, self.bcfg.max_lines, self.max_body_bytes)
             if fatal:
                 b.errors = fatal
                 b.move("failed", self.clock())
@@ -201,7 +202,7 @@ class BatchRunner:
                 await self._fail(b, "input_file_missing", "the input file was deleted")
                 return
             if data is not None:
-                lines, _ = parse_input(data, b.endpoint, self.bcfg.max_lines)
+                lines, _ = parse_input(data, b.endpoint, self.bcfg.max_lines, self.max_body_bytes)
             out.open()
             err.open()
             b.completed, b.failed = out.lines, err.lines

@@ -65,6 +65,25 @@ def test_malformed_line_says_why(raw: bytes, why: str) -> None:
     assert parsed.body is None and parsed.error is not None and why in parsed.error
 
 
+@pytest.mark.parametrize(("raw", "why"), [
+    # What the HTTP API refuses, a line refuses too (issue 36): a field the gateway owns ...
+    (line("a", body={"model": "m", "messages": [], "api_base": "http://evil"}), "'api_base' is not"),
+    # ... nesting deeper than the HTTP parser's limit (json.loads would recurse) ...
+    (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", '
+     b'"x": ' + b"[" * 200 + b"]" * 200 + b"}}", "nested deeper"),
+])
+def test_a_line_passes_the_http_apis_body_rules(raw: bytes, why: str) -> None:
+    parsed = parse_line(3, raw, URL)
+    assert parsed.body is None and parsed.error is not None and why in parsed.error
+
+
+def test_a_line_over_the_http_body_limit_is_refused() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 2000}]}
+    assert parse_line(1, line("a", body=body), URL, max_body_bytes=4096).error is None
+    parsed = parse_line(1, line("a", body=body), URL, max_body_bytes=1024)
+    assert parsed.body is None and "over the limit of 1024 bytes" in (parsed.error or "")
+
+
 def test_good_line_parses() -> None:
     parsed = parse_line(1, line("req-1"), URL)
     assert parsed.error is None and parsed.custom_id == "req-1" and parsed.body is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from serve_app import errors
-from serve_app.gateway.http.body import MAX_DEPTH, parse_body
+from serve_app.bodies import MAX_DEPTH, parse_body
 
 
 def refused(raw: bytes) -> errors.InvalidRequest:

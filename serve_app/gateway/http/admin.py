@@ -19,11 +19,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from serve_app import errors
+from serve_app.bodies import parse_body
 from serve_app.config import Budget, KeyRecord, Limits
+from serve_app.gateway.http.read import read_capped, require_json
 from serve_app.gateway.keys import access
 from serve_app.gateway.keys.ops import KeyOps, describe
 from serve_app.state.keys import (
@@ -37,6 +40,10 @@ from serve_app.state.keys import (
 logger = logging.getLogger("ray.serve")
 PREFIX = "/admin/v1"
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+# An admin body is a few hundred bytes; nothing above this is read (and only after the key has
+# been checked: FastAPI would read and parse a body parameter before any dependency ran).
+ADMIN_BODY_LIMIT = 64 * 1024
 
 
 class KeyFields(BaseModel):
@@ -59,6 +66,24 @@ class NewKey(KeyFields):
 
 def _deps(request: Request) -> Any:
     return request.app.state.deps
+
+
+async def read_model(request: Request, model: type[M]) -> M:
+    """The request's JSON body as ``model``, read only after the route's key check (a route's
+    dependencies run first) and never past ``ADMIN_BODY_LIMIT`` (413); a body that is not JSON,
+    or does not fit ``model``, is a 400 naming the field."""
+    require_json(request)
+    raw = await read_capped(request, ADMIN_BODY_LIMIT)
+    try:
+        return model.model_validate(parse_body(raw))
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
+
+
+def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that reads ``model`` itself (``read_model``)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
 async def admin_key(request: Request) -> KeyRecord:
@@ -115,10 +140,11 @@ def build_admin_router() -> APIRouter:
     def ops(request: Request) -> KeyOps:
         return KeyOps(_deps(request).keys)
 
-    @router.post("/keys", status_code=201)
-    async def create_key(body: NewKey, request: Request,
+    @router.post("/keys", status_code=201, openapi_extra=_body_doc(NewKey))
+    async def create_key(request: Request,
                          actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
         """Create a key; its secret is in this answer only."""
+        body = await read_model(request, NewKey)
         _check_tier(request, body.tier)
         fields = body.model_dump(exclude={"id"}, exclude_none=True)
         issued = await act(request, actor, "key.create", body.id,
@@ -141,10 +167,11 @@ def build_admin_router() -> APIRouter:
             out["budget_status"] = await d.budgets.status(key)
         return out
 
-    @router.patch("/keys/{key_id}")
-    async def update_key(key_id: str, body: KeyFields, request: Request,
+    @router.patch("/keys/{key_id}", openapi_extra=_body_doc(KeyFields))
+    async def update_key(key_id: str, request: Request,
                          actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
         """Change limits, tier, models, tenant, budget or expiry; the key keeps its secret."""
+        body = await read_model(request, KeyFields)
         _check_tier(request, body.tier)
         changes = body.model_dump(exclude_unset=True, mode="json")
         if "models" in changes and changes["models"] is None:
@@ -194,7 +221,13 @@ def build_admin_router() -> APIRouter:
 
     @router.get("/openapi.json", include_in_schema=False)
     async def schema(request: Request, actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
-        return get_openapi(title="serve-app admin API", version="1", routes=router.routes)
+        doc = get_openapi(title="serve-app admin API", version="1", routes=router.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in (NewKey, KeyFields):  # the bodies read by ``read_model``
+            shape = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(shape.pop("$defs", {}))
+            schemas[model.__name__] = shape
+        return doc
 
     return router
 

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Lifespan
 
 from serve_app import errors
+from serve_app.bodies import check_fields, parse_body
 from serve_app.config import AppConfig, KeyRecord
 from serve_app.gateway.accounting.audit import Audit
 from serve_app.gateway.accounting.timing import ArrivalStamp, StageClock
@@ -21,7 +22,7 @@ from serve_app.gateway.accounting.usage import Usage
 from serve_app.gateway.admission.budgets import Budgets
 from serve_app.gateway.http.admin import mount_admin
 from serve_app.gateway.http.answers import to_response
-from serve_app.gateway.http.body import parse_body
+from serve_app.gateway.http.read import read_capped, require_json
 from serve_app.gateway.keys import access
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing.router import Route, Router
@@ -32,12 +33,6 @@ if TYPE_CHECKING:
     from serve_app.batch.routes import BatchService
 
 logger = logging.getLogger("ray.serve")
-
-# Fields that would point an upstream elsewhere or hand it other credentials (LiteLLM-style
-# passthrough). The gateway owns routing and credentials, so these are refused outright.
-FORBIDDEN_FIELDS = ("api_base", "base_url", "api_key", "extra_headers", "headers", "api_version",
-                    "organization", "custom_llm_provider")
-
 
 @dataclass
 class GatewayDeps:
@@ -73,28 +68,11 @@ async def authenticate(request: Request, d: GatewayDeps = Depends(get_deps)) -> 
 
 
 async def read_json(request: Request, d: GatewayDeps) -> tuple[dict[str, Any], int]:
-    """The JSON object body and its size in bytes."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype != "application/json":
-        raise errors.UnsupportedMediaType(
-            f"Content-Type must be application/json, not {ctype[:64] or 'missing'!r}"
-        )
-    limit = d.cfg.gateway.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise errors.PayloadTooLarge(f"request body is over the limit of {limit} bytes")
-    raw = bytearray()
-    async for part in request.stream():
-        raw += part
-        if len(raw) > limit:
-            raise errors.PayloadTooLarge(f"request body is over the limit of {limit} bytes")
-    body = parse_body(bytes(raw))
-    for name in FORBIDDEN_FIELDS:
-        if name in body:
-            raise errors.InvalidRequest(
-                f"'{name}' is not accepted: this gateway chooses the upstream and its credentials",
-                param=name,
-            )
+    """The JSON object body and its size in bytes (read under ``gateway.max_body_bytes``)."""
+    require_json(request)
+    raw = await read_capped(request, d.cfg.gateway.max_body_bytes)
+    body = parse_body(raw)
+    check_fields(body)
     return body, len(raw)
 
 

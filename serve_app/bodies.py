@@ -1,4 +1,5 @@
-"""Request bodies: strict JSON, parsed by orjson, with the limits plain vLLM keeps.
+"""Request bodies: strict JSON, parsed by orjson, with the limits plain vLLM keeps, and the fields
+the gateway refuses. One set of rules for the HTTP routes and for each line of a batch.
 
 What the standard library's ``json`` lets through and something further down fails on (a 500, or a
 request the engine never finishes), refused here with a 400 that names the field where it can:
@@ -25,6 +26,27 @@ from serve_app import errors
 from serve_app.protocol import INT64_MAX, INT64_MIN, json_offence
 
 MAX_DEPTH = 64  # arrays and objects, counted from the body itself (depth 1)
+
+# Fields that would point an upstream elsewhere or hand it other credentials (LiteLLM-style
+# passthrough). The gateway owns routing and credentials, so these are refused outright.
+FORBIDDEN_FIELDS = ("api_base", "base_url", "api_key", "extra_headers", "headers", "api_version",
+                    "organization", "custom_llm_provider")
+
+
+def check_fields(body: dict[str, Any]) -> None:
+    """Refuse a body that names a field the gateway owns (``FORBIDDEN_FIELDS``)."""
+    for name in FORBIDDEN_FIELDS:
+        if name in body:
+            raise errors.InvalidRequest(
+                f"'{name}' is not accepted: this gateway chooses the upstream and its credentials",
+                param=name,
+            )
+
+
+def check_size(size: int, limit: int) -> None:
+    """Refuse a body over ``limit`` bytes (``gateway.max_body_bytes``)."""
+    if size > limit:
+        raise errors.PayloadTooLarge(f"request body is over the limit of {limit} bytes")
 
 # JSON tokens that matter to the scan: a string (skipped whole), a bracket, a long integer.
 _TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"\s*(:)?|([\[\]{}])|(-?\d{19,})(?![\d.eE])', re.S)
