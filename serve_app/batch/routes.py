@@ -1,6 +1,7 @@
 """The HTTP routes of ``/v1/files`` and ``/v1/batches`` (OpenAI's objects and pagination), thin over
-``BatchService``. Every file and batch belongs to the tenant of the key that made it (each key is
-its own tenant unless the keys file groups them); another tenant's ids answer 404."""
+``BatchService``. Every file and batch belongs to the owner of the key that made it
+(``KeyRecord.owner``: its tenant, or the key itself when it has none; the two never share a name);
+another owner's ids answer 404."""
 
 from __future__ import annotations
 
@@ -35,14 +36,14 @@ class BatchService:
 
     async def create_batch(self, key: KeyRecord, body: dict[str, Any]) -> dict[str, Any]:
         file_id, endpoint, window, metadata = check_create(body)
-        f = await asyncio.to_thread(self.files.get, key.tenant_id, file_id)
+        f = await asyncio.to_thread(self.files.get, key.owner, file_id)
         if f["purpose"] != "batch":
             raise errors.InvalidRequest(f"file {file_id} has purpose {f['purpose']!r}, not 'batch'",
                                         param="input_file_id")
         now = int(self.clock())
         b = Batch(id=new_id("batch"), endpoint=endpoint, input_file_id=file_id,
                   completion_window=window, created_at=now,
-                  expires_at=now + COMPLETION_WINDOWS[window], owner=key.tenant_id,
+                  expires_at=now + COMPLETION_WINDOWS[window], owner=key.owner,
                   key_id=key.id, output_path=new_id("file"), error_path=new_id("file"),
                   metadata=metadata)
         await self.store.save(b)
@@ -50,7 +51,7 @@ class BatchService:
 
     async def _owned(self, key: KeyRecord, batch_id: str) -> Batch:
         b = await self.store.load(batch_id)
-        if b is None or b.owner != key.tenant_id:
+        if b is None or b.owner != key.owner:
             raise errors.NotFound(f"No such Batch object: {batch_id[:80]}", param="batch_id")
         return b
 
@@ -67,7 +68,7 @@ class BatchService:
         return b.public(cancel_requested=True)
 
     async def list_batches(self, key: KeyRecord, after: str | None, limit: int) -> dict[str, Any]:
-        batches = await self.store.owned(key.tenant_id)
+        batches = await self.store.owned(key.owner)
         views = [b.public(not b.done and await self.store.cancel_requested(b.id))
                  for b in _page(batches, after, limit + 1)]
         return _list(views, limit)
@@ -167,7 +168,7 @@ def batch_router(authenticate: Authenticate) -> APIRouter:
             data.decode("utf-8")
         except UnicodeDecodeError:
             raise errors.InvalidRequest("the file must be UTF-8 JSON lines", param="file") from None
-        return await asyncio.to_thread(s.files.create, key.tenant_id, name, purpose, data)
+        return await asyncio.to_thread(s.files.create, key.owner, name, purpose, data)
 
     @r.get("/v1/files")
     async def list_files(
@@ -179,7 +180,7 @@ def batch_router(authenticate: Authenticate) -> APIRouter:
         if purpose is not None and purpose not in PURPOSES:
             raise errors.InvalidRequest(f"purpose must be one of {list(PURPOSES)}",
                                         param="purpose")
-        found = await asyncio.to_thread(svc(request).files.list, key.tenant_id, purpose)
+        found = await asyncio.to_thread(svc(request).files.list, key.owner, purpose)
         if order == "asc":
             found.reverse()
         return _list(list(_page(found, after, limit + 1)), limit)
@@ -187,18 +188,18 @@ def batch_router(authenticate: Authenticate) -> APIRouter:
     @r.get("/v1/files/{file_id}")
     async def get_file(request: Request, file_id: str,
                        key: KeyRecord = Depends(authenticate)) -> dict[str, Any]:
-        return await asyncio.to_thread(svc(request).files.get, key.tenant_id, file_id)
+        return await asyncio.to_thread(svc(request).files.get, key.owner, file_id)
 
     @r.get("/v1/files/{file_id}/content")
     async def file_content(request: Request, file_id: str,
                            key: KeyRecord = Depends(authenticate)) -> FileResponse:
-        path = await asyncio.to_thread(svc(request).files.content_path, key.tenant_id, file_id)
+        path = await asyncio.to_thread(svc(request).files.content_path, key.owner, file_id)
         return FileResponse(path, media_type="application/octet-stream")
 
     @r.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str,
                           key: KeyRecord = Depends(authenticate)) -> dict[str, Any]:
-        return await asyncio.to_thread(svc(request).files.delete, key.tenant_id, file_id)
+        return await asyncio.to_thread(svc(request).files.delete, key.owner, file_id)
 
     @r.post("/v1/batches")
     async def create_batch(request: Request,

@@ -74,7 +74,16 @@ class KeyRecord(_Strict):
 
     @property
     def tenant_id(self) -> str:
+        """The tenant's name, or the key's id for a key of no tenant: who is served fairly
+        (the flow queue) and reported (usage by tenant)."""
         return self.tenant or self.id
+
+    @property
+    def owner(self) -> str:
+        """Who owns what this key makes and reads (files, batches) and whose prefix cache it
+        shares: ``tenant:<name>``, or ``key:<id>`` for a key of no tenant. Tenants and keys never
+        share a name space, so a key whose id is another key's tenant name reads nothing of it."""
+        return f"tenant:{self.tenant}" if self.tenant else f"key:{self.id}"
 
     def allows(self, model_id: str) -> bool:
         return "*" in self.models or model_id in self.models

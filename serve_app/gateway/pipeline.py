@@ -80,10 +80,10 @@ class Pipeline:
             tier=key.tier,
             priority=admitted.tier.priority,
             deadline=clock.arrival + self.cfg.gateway.request_timeout_s,
-            tenant=key.tenant_id,
+            tenant=key.owner,  # the prefix cache's salt: shared within an owner only
             arrival=clock.arrival,
             traceparent=trace.traceparent(),
-            affinity=affinity_key(key.tenant_id, endpoint, headers or {}, body),
+            affinity=affinity_key(key.owner, endpoint, headers or {}, body),
         )
         # x-request-id is set by Ray Serve's proxy (bounded by gateway/http/proxy_middleware.py).
         try:

@@ -236,7 +236,7 @@ def _setup(tmp_path: Path, data: bytes, pipeline: FakePipeline,
     store = BatchStore(FileBatchStore(tmp_path))
     runner = BatchRunner(cfg, files, store, pipeline, lambda key_id: KEY)
     service = BatchService(cfg, files, store)
-    f = files.create(KEY.tenant_id, "in.jsonl", "batch", data)
+    f = files.create(KEY.owner, "in.jsonl", "batch", data)
     created = asyncio.run(service.create_batch(
         KEY, {"input_file_id": f["id"], "endpoint": URL, "completion_window": "24h"}))
     return runner, service, created["id"]
@@ -245,7 +245,7 @@ def _setup(tmp_path: Path, data: bytes, pipeline: FakePipeline,
 def _results(runner: BatchRunner, file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
-    raw = runner.files.content_path(KEY.tenant_id, file_id).read_bytes()
+    raw = runner.files.content_path(KEY.owner, file_id).read_bytes()
     return [json.loads(x) for x in raw.splitlines()]
 
 

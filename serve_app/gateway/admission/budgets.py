@@ -71,7 +71,8 @@ class Budgets:
         out = []
         scopes: list[tuple[str, str, Budget | None]] = [
             ("key", key.id, key.budget),
-            ("tenant", key.tenant_id, self.tenant_budgets.get(key.tenant_id)),
+            # A tenant's budget binds the keys that name it, never a key whose id is that name.
+            ("tenant", key.tenant_id, self.tenant_budgets.get(key.tenant) if key.tenant else None),
         ]
         for scope, name, budget in scopes:
             if budget is not None:
