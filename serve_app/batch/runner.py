@@ -54,6 +54,14 @@ class LeaseLost(Exception):
     """Another runner holds the batch now (this one stalled past its lease): stop, write nothing."""
 
 
+class KeyGone(Exception):
+    """The key that created the batch is revoked or expired: none of its lines starts any more."""
+
+
+KEY_GONE = ("key_revoked", "the key that created this batch was revoked or has expired; no more "
+            "of its requests ran")
+
+
 def error_record(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
     """An error-file line for a request that got no answer."""
     return {"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": custom_id, "response": None,
@@ -198,14 +206,18 @@ class BatchRunner:
             b.move("in_progress", self.clock())
             await self.store.save(b)
         else:
-            if data is None and b.status == "in_progress":
-                await self._fail(b, "input_file_missing", "the input file was deleted")
-                return
             if data is not None:
                 lines, _ = parse_input(data, b.endpoint, self.bcfg.max_lines, self.max_body_bytes)
             out.open()
             err.open()
             b.completed, b.failed = out.lines, err.lines
+            if data is None and b.status == "in_progress":
+                # Deleted under a running batch (a restart, another replica picked it up): what
+                # ran is kept, and the batch ends as cancelled, saying why. It used to be moved to
+                # failed, which the state machine refuses: the runner retried it at every poll.
+                b.errors = [{"code": "input_file_missing", "message": "the input file was deleted "
+                             "while the batch ran", "param": "input_file_id", "line": None}]
+                b.move("cancelling", self.clock())
         if b.status == "in_progress":
             done = out.open_ids | err.open_ids
             pending = deque(ln for ln in lines if ln.error is None and ln.custom_id not in done)
@@ -217,25 +229,55 @@ class BatchRunner:
     async def _work(self, b: Batch, pending: deque[Line], out: ResultFile,
                     err: ResultFile) -> None:
         """Answer ``pending`` with ``concurrency`` workers; every tick renew the lease, save the
-        progress, and stop early on a cancel or at the expiry."""
-        key = self.keys(b.key_id)
+        progress, and stop early on a cancel, at the expiry, or when the batch's key is revoked
+        or expires (checked before every attempt of every line). Every line that does not run
+        gets an error record: none is lost."""
         endpoint = ENDPOINT_TABLE[ENDPOINTS[b.endpoint]]
+        inflight: dict[int, Line] = {}  # each worker's line
+        written: set[str] = set()  # custom_ids whose record is written (or being written)
 
-        async def worker() -> None:
+        async def worker(n: int) -> None:
             while pending:
                 line = pending.popleft()
-                await self._line(b, line, key, endpoint, out, err)
+                inflight[n] = line
+                try:
+                    await self._line(b, line, endpoint, out, err, written)
+                except KeyGone:
+                    pending.appendleft(line)  # it never started
+                    raise
+                finally:
+                    inflight.pop(n, None)
+
+        async def stop_all(code: str, message: str) -> None:
+            """Cancel the workers; every line not answered gets an error record."""
+            started = list(inflight.values())  # a cancelled worker forgets its line
+            await _cancel(workers)
+            for line in [*started, *pending]:
+                assert line.custom_id is not None
+                if line.custom_id not in written:
+                    written.add(line.custom_id)
+                    await self._append(err, error_record(line.custom_id, code, message))
+            inflight.clear()
+            pending.clear()
 
         if not pending:
             return
-        workers = [asyncio.create_task(worker())
-                   for _ in range(min(self.bcfg.concurrency, len(pending)))]
+        workers = [asyncio.create_task(worker(n))
+                   for n in range(min(self.bcfg.concurrency, len(pending)))]
         try:
             while True:
                 finished, _ = await asyncio.wait(workers, timeout=TICK_S)
                 for t in finished:
-                    if t.exception() is not None:
-                        raise t.exception()  # type: ignore[misc]
+                    exc = t.exception()
+                    if isinstance(exc, KeyGone):
+                        await stop_all(*KEY_GONE)
+                        b.errors = [{"code": KEY_GONE[0], "message": KEY_GONE[1], "param": None,
+                                     "line": None}]
+                        b.move("cancelling", self.clock())
+                        await self.store.save(b)
+                        return
+                    if exc is not None:
+                        raise exc
                 if len(finished) == len(workers):
                     return
                 if not await self.store.claim(b.id, self.holder, self.bcfg.lease_s):
@@ -247,12 +289,8 @@ class BatchRunner:
                     await self.store.save(b)
                     return
                 if self.clock() >= b.expires_at:
-                    await _cancel(workers)
-                    for line in pending:
-                        await self._append(err, error_record(
-                            line.custom_id, "batch_expired",
-                            "the batch expired before this request ran"))
-                    pending.clear()
+                    # Lines waiting, in flight or in a back-off alike get their record.
+                    await stop_all("batch_expired", "the batch expired before this request ran")
                     b.move("expired", self.clock())
                     return
                 b.completed, b.failed = out.lines, err.lines
@@ -260,18 +298,22 @@ class BatchRunner:
         finally:
             await _cancel(workers)
 
-    async def _line(self, b: Batch, line: Line, key: KeyRecord | None, endpoint: Endpoint,
-                    out: ResultFile, err: ResultFile) -> None:
-        """One line to its result, retried (after a back-off) while it is refused for load."""
+    def _key_now(self, b: Batch) -> KeyRecord:
+        """The batch's key as it is now (its tier, models, limits and budget), or ``KeyGone``."""
+        key = self.keys(b.key_id)
+        if key is None or key.expired(self.clock()):
+            raise KeyGone(b.key_id)
+        return key
+
+    async def _line(self, b: Batch, line: Line, endpoint: Endpoint, out: ResultFile,
+                    err: ResultFile, written: set[str]) -> None:
+        """One line to its result, retried (after a back-off) while it is refused for load; a
+        spent budget is final (its record says so), and a revoked key stops it before it starts."""
         assert line.body is not None and line.custom_id is not None
         key_id = b.key_id
         delay = RETRY_FIRST_S
         while True:
-            if key is None:
-                status, payload = 401, errors.AuthenticationFailed(
-                    "the key that created this batch is revoked").to_body()
-                record = answer_record(line.custom_id, status, json.dumps(payload).encode())
-                break
+            key = self._key_now(b)  # at every attempt: a revocation stops the next one
             try:
                 if endpoint.body_check is not None:
                     endpoint.body_check(line.body)
@@ -279,6 +321,8 @@ class BatchRunner:
                                            len(json.dumps(line.body)), self.clock())
                 status, body = answer.status, await answer.read()
                 wait = 0.0
+            except errors.QuotaExceeded as exc:  # spent until its period resets: no retry
+                status, body, wait = exc.status, json.dumps(exc.to_body()).encode(), -1.0
             except errors.Refused as exc:
                 status, body = exc.status, b""
                 wait = exc.retry_after_s or 0.0
@@ -288,7 +332,7 @@ class BatchRunner:
                 logger.exception("batch %s: line %s failed", b.id, line.custom_id)
                 err_500 = errors.InternalError("The server had an error processing the request.")
                 status, body, wait = 500, json.dumps(err_500.to_body()).encode(), 0.0
-            if status in (429, 503):
+            if status in (429, 503) and wait >= 0:
                 if self.metrics is not None:
                     self.metrics.line_done(key_id=key_id, endpoint=b.endpoint, outcome="retried")
                 await asyncio.sleep(min(max(delay, wait), self.bcfg.backoff_max_s))
@@ -297,6 +341,7 @@ class BatchRunner:
             record = answer_record(line.custom_id, status, body)
             break
         ok = 200 <= status < 300
+        written.add(line.custom_id)  # the append below finishes even if this task is cancelled
         await self._append(out if ok else err, record)
         inp, outp = _tokens(record)
         b.usage = {"input_tokens": b.usage["input_tokens"] + inp,
