@@ -199,7 +199,14 @@ def batch_router(authenticate: Authenticate) -> APIRouter:
     @r.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str,
                           key: KeyRecord = Depends(authenticate)) -> dict[str, Any]:
-        return await asyncio.to_thread(svc(request).files.delete, key.owner, file_id)
+        """Delete one of the owner's files; refused (409) while an unfinished batch reads it."""
+        s = svc(request)
+        await asyncio.to_thread(s.files.get, key.owner, file_id)  # 404 before anything else
+        for b in await s.store.owned(key.owner):
+            if b.input_file_id == file_id and not b.done:
+                raise errors.Conflict(f"file {file_id} is the input of batch {b.id}, which is "
+                                      f"{b.status}; cancel it or let it finish first")
+        return await asyncio.to_thread(s.files.delete, key.owner, file_id)
 
     @r.post("/v1/batches")
     async def create_batch(request: Request,

@@ -46,8 +46,11 @@ def valid_id(file_id: str) -> bool:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all, readable by this user only (0600, as the keys file):
+    uploads are tenants' data."""
     tmp = path.with_name(path.name + f".{secrets.token_hex(4)}.tmp")
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with open(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -59,7 +62,7 @@ class FileStore:
 
     def __init__(self, root: Path, clock: Callable[[], float] = time.time) -> None:
         self.dir = root / "files"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.clock = clock
 
     def data_path(self, file_id: str) -> Path:
