@@ -96,3 +96,4 @@ def test_the_front_door_lets_delete_through_to_a_file_only(tmp_path: Path) -> No
     assert statuses == {("DELETE", "/v1/files/file-abc"): 200, ("DELETE", "/v1/models"): 405,
                         ("DELETE", "/v1/files/file-abc/content"): 405, ("PUT", "/v1/files/x"): 405,
                         ("DELETE", "/admin/v1/keys/k"): 200}
+
