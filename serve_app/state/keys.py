@@ -20,6 +20,8 @@ async client. The operations on keys (create, rotate, revoke, update) are
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import hashlib
 import hmac
 import logging
@@ -28,7 +30,7 @@ import sqlite3
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -78,13 +80,19 @@ def same_digest(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
+# A read-modify-write of one key: the key as stored now -> the key to store (or raise to refuse).
+Change = Callable[[KeyRecord], KeyRecord]
+
+
 class KeyStore(Protocol):
     """Where keys live. ``lookup`` and ``by_id`` run on the request path and answer from memory;
     ``refresh`` brings the memory up to date with the store (at most every ``interval_s`` unless
     ``force``); ``records`` and ``write`` read and change the store itself. ``write`` raises
     ``KeyConflict`` (a new id exists), ``KeyNotFound`` (replacing an unknown id) or
-    ``StoreReadOnly``, and the memory holds the change when it returns. The store does not own
-    its connection (``Connections.close`` gives it back)."""
+    ``StoreReadOnly``, and the memory holds the change when it returns. ``change`` is one atomic
+    read-modify-write of a key, across processes (a rotation never undoes a revocation that lands
+    between its read and its write); it raises ``KeyNotFound`` for an unknown id, or what ``fn``
+    raises. The store does not own its connection (``Connections.close`` gives it back)."""
 
     read_only: bool
     interval_s: float
@@ -96,6 +104,7 @@ class KeyStore(Protocol):
     async def refresh(self, force: bool = False) -> None: ...
     async def records(self) -> tuple[KeyRecord, ...]: ...
     async def write(self, record: KeyRecord, *, new: bool) -> None: ...
+    async def change(self, key_id: str, fn: Change) -> KeyRecord: ...
 
 
 class _Memory:
@@ -237,8 +246,41 @@ class FileKeyStore:
     async def records(self) -> tuple[KeyRecord, ...]:
         return (await asyncio.to_thread(read_keys_file, self.path)).keys
 
-    def _write_sync(self, record: KeyRecord, new: bool) -> None:
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """This process's lock and an ``flock`` on ``<keys file>.lock``: one read-modify-write of
+        the file at a time across every process on the host (the CLI, each gateway replica)."""
         with self._edit:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT,
+                         0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # releases the flock
+
+    def _change_sync(self, key_id: str, fn: Change) -> KeyRecord:
+        with self._locked():
+            keys = read_keys_file(self.path).keys
+            current = next((k for k in keys if k.id == key_id), None)
+            if current is None:
+                raise KeyNotFound(f"no key with id {key_id!r}")
+            record = fn(current)
+            write_keys_file(self.path, KeysFile(keys=tuple(record if k.id == key_id else k
+                                                           for k in keys)))
+            return record
+
+    async def change(self, key_id: str, fn: Change) -> KeyRecord:
+        if self.read_only:
+            raise StoreReadOnly("keys are read-only here (gateway.keys_read_only): change the keys "
+                                "file where it is kept")
+        record = await asyncio.to_thread(self._change_sync, key_id, fn)
+        await self.refresh(force=True)
+        return record
+
+    def _write_sync(self, record: KeyRecord, new: bool) -> None:
+        with self._locked():
             keys = read_keys_file(self.path).keys
             exists = any(k.id == record.id for k in keys)
             if new and exists:
@@ -334,6 +376,24 @@ class SqliteKeyStore:
         await self._file.write(write)
         await self.refresh(force=True)
 
+    async def change(self, key_id: str, fn: Change) -> KeyRecord:
+        if self.read_only:
+            raise StoreReadOnly("keys are read-only here (gateway.keys_read_only)")
+
+        def change(db: sqlite3.Connection) -> KeyRecord:  # inside BEGIN IMMEDIATE: one writer
+            self._schema(db)
+            row = db.execute("SELECT doc FROM keys WHERE id = ?", (key_id,)).fetchone()
+            if row is None:
+                raise KeyNotFound(f"no key with id {key_id!r}")
+            record = fn(_record(row[0]))
+            db.execute("UPDATE keys SET doc = ? WHERE id = ?", (_doc(record), key_id))
+            db.execute("UPDATE meta SET value = value + 1 WHERE name = 'version'")
+            return record
+
+        record = await self._file.write(change)
+        await self.refresh(force=True)
+        return record
+
 
 class RedisKeyStore:
     """Keys in one Redis hash (id -> record JSON) and a version counter: every gateway replica of
@@ -383,6 +443,30 @@ class RedisKeyStore:
             await self._redis.hset(self._hash, record.id, _doc(record))
         await self._redis.incr(self._ver)
         await self.refresh(force=True)
+
+    async def change(self, key_id: str, fn: Change) -> KeyRecord:
+        """WATCH the hash, read, MULTI/EXEC the write: a write by anyone else in between makes
+        EXEC fail, and the change is read and applied again."""
+        from redis.exceptions import WatchError
+
+        if self.read_only:
+            raise StoreReadOnly("keys are read-only here (gateway.keys_read_only)")
+        while True:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(self._hash)
+                    doc = await pipe.hget(self._hash, key_id)
+                    if doc is None:
+                        raise KeyNotFound(f"no key with id {key_id!r}")
+                    record = fn(_record(doc.decode() if isinstance(doc, bytes) else doc))
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.hset(self._hash, key_id, _doc(record))
+                    pipe.incr(self._ver)
+                    await pipe.execute()
+                except WatchError:
+                    continue
+            await self.refresh(force=True)
+            return record
 
 
 def open_key_store(gw: GatewayConfig, connections: Connections, *,

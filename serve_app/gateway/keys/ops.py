@@ -34,9 +34,10 @@ UPDATABLE = ("tier", "models", "tenant", "limits", "budget", "expires_at")
 
 
 class KeyOps:
-    """Create, rotate, revoke, update and read keys in one store. Each change is one
-    ``store.write``, which the store's memory holds when it returns (other replicas within their
-    poll). Store errors (``KeyNotFound``, ``KeyConflict``, ``KeyInvalid``, ``StoreReadOnly``) pass
+    """Create, rotate, revoke, update and read keys in one store. A create is one ``store.write``;
+    a rotate, revoke or update is one ``store.change``, an atomic read-modify-write across
+    processes (a rotation never undoes a revocation that lands between its read and its write).
+    The store's memory holds a change when it returns (other replicas within their poll). Store errors (``KeyNotFound``, ``KeyConflict``, ``KeyInvalid``, ``StoreReadOnly``) pass
     through for the caller to show."""
 
     def __init__(self, store: KeyStore) -> None:
@@ -69,31 +70,29 @@ class KeyOps:
         """A new secret for the key; the old one stops. A revoked key is refused, unless
         ``reactivate`` (the launcher's demo key, whose secret was lost or whose key was revoked,
         comes back under its id with a new secret)."""
-        key = await self.get(key_id)
-        if key.revoked and not reactivate:
-            raise KeyNotFound(f"no active key with id {key_id!r}")
         secret = new_secret()
-        record = key.model_copy(update={"digest": digest(secret), "created_at": _now(),
-                                        "revoked": False})
-        await self.store.write(record, new=False)
-        return Issued(record, secret)
+
+        def rotated(key: KeyRecord) -> KeyRecord:
+            if key.revoked and not reactivate:
+                raise KeyNotFound(f"no active key with id {key_id!r}")
+            return key.model_copy(update={"digest": digest(secret), "created_at": _now(),
+                                          "revoked": False})
+
+        return Issued(await self.store.change(key_id, rotated), secret)
 
     async def revoke(self, key_id: str) -> KeyRecord:
-        record = (await self.get(key_id)).model_copy(update={"revoked": True})
-        await self.store.write(record, new=False)
-        return record
+        return await self.store.change(
+            key_id, lambda key: key.model_copy(update={"revoked": True}))
 
     async def update(self, key_id: str, changes: dict[str, Any]) -> KeyRecord:
         """Set the ``UPDATABLE`` fields in ``changes`` (None clears an optional one)."""
         unknown = sorted(set(changes) - set(UPDATABLE))
         if unknown:
             raise KeyInvalid(f"field {unknown[0]!r} cannot be changed; changeable: {', '.join(UPDATABLE)}")
-        key = await self.get(key_id)
-        doc = key.model_dump()
-        doc.update(changes)
-        record = self._validated(doc)
-        await self.store.write(record, new=False)
-        return record
+        def updated(key: KeyRecord) -> KeyRecord:
+            return self._validated({**key.model_dump(), **changes})
+
+        return await self.store.change(key_id, updated)
 
 
 def describe(record: KeyRecord) -> dict[str, Any]:
