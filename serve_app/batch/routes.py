@@ -40,6 +40,17 @@ class BatchService:
         if f["purpose"] != "batch":
             raise errors.InvalidRequest(f"file {file_id} has purpose {f['purpose']!r}, not 'batch'",
                                         param="input_file_id")
+        open_ = [b for b in await self.store.owned(key.owner) if not b.done]
+        bcfg = self.cfg.gateway.batch
+        mine = sum(b.key_id == key.id for b in open_)
+        if mine >= bcfg.max_open_batches_per_key or len(open_) >= bcfg.max_open_batches_per_owner:
+            whose, most = ((f"key {key.id!r}", bcfg.max_open_batches_per_key)
+                           if mine >= bcfg.max_open_batches_per_key
+                           else ("this tenant", bcfg.max_open_batches_per_owner))
+            raise errors.RateLimited(
+                f"{whose} has {most} unfinished batches, the most allowed "
+                "(gateway.batch.max_open_batches_per_*); wait for one to end or cancel one",
+                code="too_many_open_batches")
         now = int(self.clock())
         b = Batch(id=new_id("batch"), endpoint=endpoint, input_file_id=file_id,
                   completion_window=window, created_at=now,
@@ -168,6 +179,11 @@ def batch_router(authenticate: Authenticate) -> APIRouter:
             data.decode("utf-8")
         except UnicodeDecodeError:
             raise errors.InvalidRequest("the file must be UTF-8 JSON lines", param="file") from None
+        most = s.cfg.gateway.batch.max_files_per_owner
+        if len(await asyncio.to_thread(s.files.list, key.owner)) >= most:
+            raise errors.RateLimited(
+                f"this tenant keeps {most} files, the most allowed "
+                "(gateway.batch.max_files_per_owner); delete some first", code="too_many_files")
         return await asyncio.to_thread(s.files.create, key.owner, name, purpose, data)
 
     @r.get("/v1/files")

@@ -42,4 +42,17 @@ class BatchConfig(_Strict):
     backoff_max_s: PositiveFloat = Field(
         default=30.0, description="Longest wait before a line refused with 429 or 503 is retried."
     )
+    max_open_batches_per_key: PositiveInt = Field(
+        default=10, description="Unfinished batches one key may have at once; one more is "
+        "refused (429) until one ends.",
+    )
+    max_open_batches_per_owner: PositiveInt = Field(
+        default=50, description="Unfinished batches one owner (a tenant, or a key of no tenant) "
+        "may have at once, over all its keys.",
+    )
+    max_files_per_owner: PositiveInt = Field(
+        default=1000, description="Files one owner (a tenant, or a key of no tenant) may keep, "
+        "results of its batches included; an upload past it is refused (429) until files are "
+        "deleted.",
+    )
 
