@@ -20,6 +20,7 @@ from ray.serve._private import constants as serve_constants
 
 from serve_app.config import AppConfig
 from serve_app.gateway.accounting.audit import Audit
+from serve_app.gateway.accounting.timing import trusts_arrival_stamp
 from serve_app.gateway.accounting.usage import Usage
 from serve_app.gateway.admission.admission import Admission
 from serve_app.gateway.admission.budgets import Budgets
@@ -102,7 +103,8 @@ class Gateway:
             router=router,
             pipeline=Pipeline(cfg, router, self.admission, forwarder, usage),
             usage=usage,
-            trust_arrival_stamp=serve_constants.RAY_SERVE_ENABLE_HA_PROXY,
+            trust_arrival_stamp=trusts_arrival_stamp(serve_constants.RAY_SERVE_ENABLE_HA_PROXY,
+                                                     os.environ),
             created=int(time.time()) if created is None else created,
             audit=Audit(state.audit, AuditMetrics.create()),
             budgets=self.budgets,

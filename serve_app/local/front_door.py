@@ -23,6 +23,7 @@ import os
 import stat
 from pathlib import Path
 
+from serve_app.gateway.accounting.timing import STAMPING_FRONT_DOOR_ENV
 from serve_app.local.ports import free_port
 
 MODES = ("haproxy", "proxy")
@@ -158,6 +159,9 @@ def haproxy_env(run_dir: Path, host: str, binary: str) -> dict[str, str]:
     return {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        # The wrapper's rules replace a client's X-Request-Start with HAProxy's own stamp: the
+        # gateway trusts the header only with this set (accounting/timing.py).
+        STAMPING_FRONT_DOOR_ENV: "1",
         "RAY_SERVE_HAPROXY_BINARY_PATH": str(wrapper),
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(run_dir / "haproxy.cfg"),
         "RAY_SERVE_HAPROXY_SOCKET_PATH": str(run_dir / "admin.sock"),

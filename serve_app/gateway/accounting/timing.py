@@ -27,6 +27,19 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
+# Set (to "1") in the Ray processes' environment by the front door that deletes a client's own
+# X-Request-Start and stamps its own (``serve_app.local.front_door``). Only then is the header
+# trusted: Ray's stock HAProxy (a KubeRay cluster without the project's rules) passes a client's
+# header through, and a forged stamp would move the SLA clock and the autoscaler.
+STAMPING_FRONT_DOOR_ENV = "SERVE_APP_STAMPING_FRONT_DOOR"
+
+
+def trusts_arrival_stamp(haproxy: bool, env: Mapping[str, str]) -> bool:
+    """Whether ``X-Request-Start`` is the front door's own: HAProxy is the front door and the
+    project's rules stamp it (``STAMPING_FRONT_DOOR_ENV``)."""
+    return haproxy and env.get(STAMPING_FRONT_DOOR_ENV) == "1"
+
+
 # One line each in docs/OBSERVABILITY.md ("Where the time goes").
 STAGES = (
     "front_door",  # HAProxy has read the request head -> the gateway's ASGI app sees it
