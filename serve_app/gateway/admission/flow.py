@@ -62,7 +62,7 @@ token.
   charge) is taken out of its queue; if a slot was granted to it meanwhile, the slot is released
   (and goes to the next waiter). Nothing else is held by a waiter.
 
-A model without ``flow.enabled`` is admitted exactly as before (``Capacity.take``).
+A model without ``flow.enabled`` is admitted by its capacity and ``shed_at`` only.
 """
 
 from __future__ import annotations
@@ -140,11 +140,12 @@ class _Band:
         return sum(len(q) for q in self.queues.values())
 
     def push(self, w: Waiter) -> None:
-        """A tenant with nothing waiting (newly active) goes to the front of the ring and has the
-        next turn, as FQ-CoDel serves new flows first: a tenant that sends a request now and then
-        does not wait behind a busy tenant's whole quantum. The busy tenant's turn ends there, its
-        deficit carries over. A tenant that keeps requests waiting stays in the ring, so only a
-        sparse tenant gains, and only its one turn."""
+        """A tenant not in the ring (newly active) goes to its front and has the next turn, as
+        FQ-CoDel serves new flows first: a tenant that sends a request now and then does not wait
+        behind a busy tenant's whole quantum. The busy tenant's turn ends there, its deficit
+        carries over. A tenant whose queue emptied stays in the ring until its turn comes round
+        again (FQ-CoDel's old flows): one that re-sends as soon as it is served is not new again,
+        so it cannot take every next turn and starve the others."""
         q = self.queues.get(w.tenant)
         if q is None:
             q = self.queues[w.tenant] = deque()
@@ -153,23 +154,32 @@ class _Band:
             self.deficit[w.tenant] = 0.0
         q.append(w)
 
-    def pop(self) -> Waiter:
-        """The next waiter by deficit round-robin (the band must not be empty)."""
-        while True:
+    def pop(self) -> Waiter | None:
+        """The next waiter by deficit round-robin; None when nobody waits (tenants whose queue
+        emptied leave the ring when their turn comes round to them empty)."""
+        while self.ring:
             tenant = self.ring[0]
+            q = self.queues[tenant]
+            if not q:
+                self._drop(tenant)
+                continue
             if not self.turn_granted:
                 self.deficit[tenant] += self.quantum
                 self.turn_granted = True
-            q = self.queues[tenant]
             head = q[0]
             if self.deficit[tenant] >= head.cost:
                 self.deficit[tenant] -= head.cost
                 q.popleft()
-                if not q:
-                    self._drop(tenant)
+                if not q:  # DRR: an emptied queue keeps no deficit, and its turn ends
+                    self.deficit[tenant] = 0.0
+                    self._next()
                 return head
-            self.ring.rotate(-1)  # its deficit carries over to its next turn
-            self.turn_granted = False
+            self._next()  # its deficit carries over to its next turn
+        return None
+
+    def _next(self) -> None:
+        self.ring.rotate(-1)
+        self.turn_granted = False
 
     def remove(self, w: Waiter) -> None:
         q = self.queues.get(w.tenant)
@@ -177,10 +187,10 @@ class _Band:
             return
         q.remove(w)
         if not q:
-            self._drop(w.tenant)
+            self.deficit[w.tenant] = 0.0  # it stays in the ring until its turn, as in ``pop``
 
     def _drop(self, tenant: str) -> None:
-        """A tenant with nothing left waiting leaves the ring and loses its deficit (DRR)."""
+        """A tenant met empty at its turn leaves the ring and loses its deficit (DRR)."""
         if self.ring and self.ring[0] == tenant:
             self.turn_granted = False
         self.ring.remove(tenant)
@@ -206,17 +216,19 @@ class ModelQueue:
 
     def pop(self) -> Waiter | None:
         for prio in sorted(self.bands):
-            band = self.bands[prio]
-            if band.ring:
-                return band.pop()
+            w = self.bands[prio].pop()
+            if w is not None:
+                return w
         return None
 
     def pop_band(self, top: int) -> Waiter | None:
         """The next waiter of the bands at priority ``top`` or better, or None."""
         for prio in sorted(self.bands):
-            band = self.bands[prio]
-            if prio <= top and band.ring:
-                return band.pop()
+            if prio > top:
+                break
+            w = self.bands[prio].pop()
+            if w is not None:
+                return w
         return None
 
     def waiting_in(self, top: int) -> int:
