@@ -389,6 +389,17 @@ def admin_cases(key: str) -> Iterator[Case]:
                        expect=frozenset({2, 4}))
     yield Case("admin:rotate:nobody", request("POST", "/admin/v1/keys/nobody/rotate", headers=auth))
     yield Case("admin:no_key", request("GET", "/admin/v1/keys"))
+    # Issue 36: the key before the body. With no key, a hostile body is never parsed (401, not
+    # 400), and a body that is declared 40 MB but never sent is not waited for.
+    for name, body in ADMIN_BODIES.items():
+        yield Case(f"admin:no_key:create:{name}",
+                   request("POST", "/admin/v1/keys", headers=[("Content-Type", "application/json")],
+                           body=body))
+    for method, path in (("POST", "/admin/v1/keys"), ("PATCH", "/admin/v1/keys/nobody")):
+        yield Case(f"admin:no_key:{method}:declared_40mb",
+                   request(method, path, headers=[("Content-Type", "application/json"),
+                                                  ("Content-Length", str(40 * 1024 * 1024))],
+                           body=b"{", content_length=False))
     yield Case("admin:fake_key", request("GET", "/admin/v1/keys",
                                          headers=[("Authorization", f"Bearer {FAKE_SECRET}")]))
 
