@@ -79,7 +79,7 @@ async def read_json(request: Request, d: GatewayDeps) -> tuple[dict[str, Any], i
         raise errors.UnsupportedMediaType(
             f"Content-Type must be application/json, not {ctype[:64] or 'missing'!r}"
         )
-    limit = d.cfg.gateway.max_body_bytes
+    limit = d.cfg.gateway.http.max_body_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise errors.PayloadTooLarge(f"request body is over the limit of {limit} bytes")
