@@ -230,8 +230,8 @@ def test_keep_fresh_polls_every_interval(tmp_path: Path) -> None:
 def test_open_key_store_follows_the_config(tmp_path: Path) -> None:
     gw = GatewayConfig(keys={"file": str(tmp_path / "k.yaml"), "store": "sqlite"},
                        state={"dir": str(tmp_path / "state")})
-    connections = Connections(None, tmp_path / "state")
-    store = open_key_store(gw, connections)
+    connections = Connections.of(gw.state)
+    store = open_key_store(gw.keys, connections)
     assert isinstance(store, SqliteKeyStore)
     assert store.location == str((tmp_path / "state" / "keys.sqlite").resolve())
     assert isinstance(open_key_store(KeysConfig(file=str(tmp_path / "k.yaml")), connections),
