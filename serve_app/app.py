@@ -100,7 +100,7 @@ def gateway_options(cfg: AppConfig) -> dict[str, Any]:
         "max_ongoing_requests": g.max_ongoing_requests,
         # Ray Serve waits this long for the gateway's streams before it kills it: the drain's
         # bound plus a margin, so that no stream is cut mid-way (gateway/drain.py).
-        "graceful_shutdown_timeout_s": g.drain_timeout_s + DRAIN_MARGIN_S,
+        "graceful_shutdown_timeout_s": g.http.drain_timeout_s + DRAIN_MARGIN_S,
         "max_surge_percent": g.max_surge_percent,
         "ray_actor_options": {"num_cpus": g.num_cpus,
                               **({"resources": dict(g.resources)} if g.resources else {})},

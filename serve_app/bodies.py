@@ -44,7 +44,7 @@ def check_fields(body: dict[str, Any]) -> None:
 
 
 def check_size(size: int, limit: int) -> None:
-    """Refuse a body over ``limit`` bytes (``gateway.max_body_bytes``)."""
+    """Refuse a body over ``limit`` bytes (``gateway.http.max_body_bytes``)."""
     if size > limit:
         raise errors.PayloadTooLarge(f"request body is over the limit of {limit} bytes")
 

@@ -92,7 +92,7 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("--config", default=DEFAULT_CONFIG)
     run.add_argument("--host")
     run.add_argument("--port", type=int)
-    run.add_argument("--keys-file", help="override the config's gateway.keys_file")
+    run.add_argument("--keys-file", help="override the config's gateway.keys.file")
     run.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for readiness")
     run.add_argument("--ready-file", help="write a JSON file here once ready (for scripts)")
     run.add_argument("--verbose", action="store_true", help="stream replica logs to this terminal")
@@ -122,7 +122,7 @@ def _add_dashboards(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     keys = sub.add_parser("keys", help="create, list, rotate and revoke API keys")
     keys.add_argument("--config", default=DEFAULT_CONFIG)
-    keys.add_argument("--keys-file", help="defaults to the config's gateway.keys_file")
+    keys.add_argument("--keys-file", help="defaults to the config's gateway.keys.file")
     # The same two options after the subcommand too (`keys create --keys-file F ...`).
     key_opts = argparse.ArgumentParser(add_help=False)
     key_opts.add_argument("--config", default=argparse.SUPPRESS)

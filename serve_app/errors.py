@@ -102,7 +102,7 @@ class MethodNotAllowed(ServeAppError):
 
 
 class PayloadTooLarge(ServeAppError):
-    """The body is over ``gateway.max_body_bytes``; refused before it is parsed."""
+    """The body is over ``gateway.http.max_body_bytes``; refused before it is parsed."""
 
     status = 413
     type = "invalid_request_error"
@@ -196,7 +196,7 @@ class AnswerBroken(ServeAppError):
 
 
 class GatewayTimeout(ServeAppError):
-    """The model did not answer within ``gateway.request_timeout_s`` (every await on an engine is
+    """The model did not answer within ``gateway.http.request_timeout_s`` (every await on an engine is
     bounded)."""
 
     status = 504

@@ -265,7 +265,8 @@ def copy_config(src: Path, dst: Path, *, port: int, keys_file: Path,
     app = doc["applications"][0]
     args: dict[str, Any] = app.get("args") or {}
     app["args"] = args
-    args["gateway"] = {**(args.get("gateway") or {}), "keys_file": str(keys_file)}
+    gateway = args["gateway"] = dict(args.get("gateway") or {})
+    gateway["keys"] = {**(gateway.get("keys") or {}), "file": str(keys_file)}
     if edit is not None:
         edit(args)
     dst.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -330,7 +331,7 @@ class Stack:
                   timeout_s: float = 10.0) -> float:
         """Poll until every gateway replica accepts ``accepted`` and refuses ``rejected`` secrets
         (after a keys file edit). A replica re-reads the file on a request, at most once per
-        ``gateway.keys_reload_interval_s``; consecutive requests are spread over the replicas, so
+        ``gateway.keys.reload_interval_s``; consecutive requests are spread over the replicas, so
         twice as many agreeing answers in a row as there are replicas mean each one has seen the
         edit. ``GET /v1/models`` checks the key without counting against its limits."""
         replicas = read_config(self.config).gateway.num_replicas

@@ -23,7 +23,7 @@ import orjson
 
 from serve_app import errors
 from serve_app.bodies import check_fields, check_size, parse_body
-from serve_app.config import GatewayConfig
+from serve_app.config import HttpConfig
 from serve_app.protocol import json_offence
 from serve_app.state.batches import TERMINAL, BatchDocs
 
@@ -160,7 +160,7 @@ class Line:
     error: str | None = None
 
 
-DEFAULT_MAX_BODY = GatewayConfig.model_fields["max_body_bytes"].default
+DEFAULT_MAX_BODY = HttpConfig.model_fields["max_body_bytes"].default
 
 
 def parse_line(number: int, raw: bytes, url: str, max_body_bytes: int = DEFAULT_MAX_BODY) -> Line:

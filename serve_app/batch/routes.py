@@ -228,7 +228,7 @@ def batch_router(authenticate: Authenticate) -> APIRouter:
     async def create_batch(request: Request,
                            key: KeyRecord = Depends(authenticate)) -> dict[str, Any]:
         s = svc(request)
-        return await s.create_batch(key, await _json(request, s.cfg.gateway.max_body_bytes))
+        return await s.create_batch(key, await _json(request, s.cfg.gateway.http.max_body_bytes))
 
     @r.get("/v1/batches")
     async def list_batches(

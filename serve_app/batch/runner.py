@@ -106,7 +106,7 @@ class BatchRunner:
         self.clock = clock
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.tier = cfg.batch_tier
-        self.max_body_bytes = cfg.gateway.max_body_bytes  # a line's body: the HTTP API's limit
+        self.max_body_bytes = cfg.gateway.http.max_body_bytes  # a line's body: the HTTP API's limit
         self.running: dict[str, asyncio.Task[None]] = {}
         self._loop_task: asyncio.Task[None] | None = None
         self._pending: dict[str, int] = {}

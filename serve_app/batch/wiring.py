@@ -13,7 +13,7 @@ from serve_app.state import State
 def build(cfg: AppConfig, state: State, handle: Handle, keys: KeyLookup,
           replica: str) -> tuple[BatchService, BatchRunner]:
     """The routes' service and this replica's runner, over the state's file store and batches
-    (Redis when ``gateway.redis_url`` is set, JSON files under the files folder otherwise)."""
+    (Redis when ``gateway.state.redis_url`` is set, JSON files under the files folder otherwise)."""
     store = BatchStore(state.batches)
     runner = BatchRunner(cfg, state.files, store, handle, keys, BatchMetrics.create(replica))
     return BatchService(cfg, state.files, store), runner

@@ -2,11 +2,13 @@
 
 One module per section of the config file: ``engine`` (how a model runs: engine arguments,
 accelerator, deployment and autoscaling), ``model`` (``models[]`` and ``routes[]``), ``tiers``,
-``keys`` (key records and budgets), ``batch``, ``gateway``, and ``app`` (the whole ``args`` block
+``keys`` (key records, budgets and ``gateway.keys``), ``gateway`` and its sections ``http``,
+``state``, ``accounting`` and ``batch``, and ``app`` (the whole ``args`` block
 and its loading); ``base`` holds the strict base model and the error formatting they share.
 Import the names from here.
 """
 
+from serve_app.config.accounting import AccountingConfig
 from serve_app.config.app import APP_NAME, AppConfig, load_app_config
 from serve_app.config.base import format_validation_error
 from serve_app.config.batch import BatchConfig
@@ -19,13 +21,16 @@ from serve_app.config.engine import (
     SyntheticUpstream,
 )
 from serve_app.config.gateway import GatewayConfig
-from serve_app.config.keys import Budget, KeyRecord, KeysFile, expiry_time
+from serve_app.config.http import HttpConfig
+from serve_app.config.keys import Budget, KeyRecord, KeysConfig, KeysFile, expiry_time
 from serve_app.config.model import AdmissionConfig, FlowConfig, ModelConfig, RoutingConfig
+from serve_app.config.state import StateConfig
 from serve_app.config.tiers import Limits, Objectives, TierConfig
 
 __all__ = [
     "APP_NAME",
     "Accelerator",
+    "AccountingConfig",
     "AdmissionConfig",
     "AppConfig",
     "AutoscalingConfig",
@@ -35,13 +40,16 @@ __all__ = [
     "EngineArgs",
     "FlowConfig",
     "GatewayConfig",
+    "HttpConfig",
     "KeyRecord",
+    "KeysConfig",
     "KeysFile",
     "Limits",
     "ModelConfig",
     "ObjectivePolicyConfig",
     "Objectives",
     "RoutingConfig",
+    "StateConfig",
     "SyntheticUpstream",
     "TierConfig",
     "expiry_time",

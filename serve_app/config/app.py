@@ -75,10 +75,10 @@ class AppConfig(_Strict):
             if any((t.limits.rpm, t.limits.tpm, t.limits.max_concurrent,
                     t.key_limits.rpm, t.key_limits.tpm, t.key_limits.max_concurrent))
         ]
-        if self.gateway.num_replicas > 1 and limited and not self.gateway.redis_url:
+        if self.gateway.num_replicas > 1 and limited and not self.gateway.state.redis_url:
             raise ValueError(
                 f"gateway.num_replicas ({self.gateway.num_replicas}) > 1 with limits on tiers "
-                f"{limited} needs gateway.redis_url, so that replicas share their counters"
+                f"{limited} needs gateway.state.redis_url, so that replicas share their counters"
             )
         if self.default_tier not in self.tiers:
             raise ValueError(

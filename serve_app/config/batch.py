@@ -13,8 +13,8 @@ class BatchConfig(_Strict):
 
     files_dir: str | None = Field(
         default=None,
-        description="Folder of uploaded and result files and, without gateway.redis_url, of the "
-        "batches' state; None: a 'batch' folder beside gateway.keys_file (the local stack's "
+        description="Folder of uploaded and result files and, without gateway.state.redis_url, of "
+        "the batches' state; None: a 'batch' folder beside gateway.keys.file (the local stack's "
         ".local/). Several gateway nodes need it on shared storage.",
     )
     max_file_bytes: PositiveInt = Field(

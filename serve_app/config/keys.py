@@ -1,11 +1,12 @@
-"""API keys as stored (the keys file, or the SQLite/Redis key stores) and token budgets."""
+"""API keys: where the gateway keeps them (``gateway.keys``), the records as stored (the keys file,
+or the SQLite/Redis key stores) and token budgets."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Literal
 
-from pydantic import Field, PositiveInt, field_validator, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from serve_app.config.base import _Strict
 from serve_app.config.tiers import Limits
@@ -103,3 +104,21 @@ class KeysFile(_Strict):
             ids.add(k.id)
         return self
 
+
+
+class KeysConfig(_Strict):
+    """Where the gateway's keys live (``serve_app/gateway/keys``; the stores are opened with the
+    rest of the state). The admin API and `serve-app keys` use the same store."""
+
+    file: str = "keys.yaml"
+    reload_interval_s: PositiveFloat = 1.0
+    store: Literal["file", "sqlite", "redis"] = Field(
+        default="file",
+        description="Where keys live: the YAML gateway.keys.file, a SQLite database in "
+        "gateway.state.dir (one host), or Redis at gateway.state.redis_url (a cluster). The admin "
+        "API and `serve-app keys` use it.",
+    )
+    read_only: bool = Field(
+        default=False,
+        description="Refuse key changes over the admin API (403), e.g. a keys file kept in Git.",
+    )

@@ -73,13 +73,13 @@ class Gateway:
             deployments[served.id] = serve.get_replica_context().deployment
         # Every connection and store of this replica; the lifespan closes it once.
         self.state = state = open_state(cfg)
-        self.budgets = Budgets(state.budgets, dict(cfg.gateway.tenant_budgets), time.time)
+        self.budgets = Budgets(state.budgets, dict(cfg.gateway.accounting.tenant_budgets), time.time)
         router = Router(cfg)
         self.spans: StageSpans | None = None
-        if cfg.gateway.otlp_endpoint:  # opentelemetry is imported only when it is configured
+        if cfg.gateway.accounting.otlp_endpoint:  # opentelemetry is imported only when it is configured
             from serve_app.gateway.accounting.otel import StageSpans as Spans
 
-            self.spans = Spans.otlp(cfg.gateway.otlp_endpoint)
+            self.spans = Spans.otlp(cfg.gateway.accounting.otlp_endpoint)
         usage = Usage(state.usage, GatewayMetrics.create(cfg), StageMetrics.create(), self.spans)
         self.niceness = cfg.gateway.front_end_niceness
         process_metrics = ProcessMetrics.for_this_replica("gateway")
@@ -92,11 +92,11 @@ class Gateway:
             cfg.gateway.replicas_refresh_s,
         )
         self.replicas.start()
-        drain = Drain(cfg.gateway.drain_timeout_s, self.replicas)
+        drain = Drain(cfg.gateway.http.drain_timeout_s, self.replicas)
         self.admission = Admission(cfg, state.limits, self.replicas, usage, self.budgets, drain)
         self.admission.flow.attach(FlowMetrics.for_this_replica())
-        outage = OutageGuard(cfg.gateway.unavailable_hold_s, self.replicas)
-        forwarder = Forwarder(clients, cfg.gateway, outage, drain)
+        outage = OutageGuard(cfg.gateway.http.unavailable_hold_s, self.replicas)
+        forwarder = Forwarder(clients, cfg.gateway.http, outage, drain)
         self.deps = GatewayDeps(
             cfg=cfg,
             keys=state.keys,

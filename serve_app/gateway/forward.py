@@ -28,7 +28,7 @@ from ray.serve.exceptions import (
 )
 
 from serve_app import errors
-from serve_app.config import GatewayConfig
+from serve_app.config import HttpConfig
 from serve_app.gateway.admission.drain import Drain, Stream
 from serve_app.gateway.admission.ledger import Outcome, Pass
 from serve_app.gateway.outage import ModelDown, OutageGuard
@@ -71,7 +71,7 @@ class Forwarder:
     """Calls models through their clients (one ``ModelClient`` per model id)."""
 
     def __init__(
-        self, clients: Mapping[str, ModelClient], cfg: GatewayConfig,
+        self, clients: Mapping[str, ModelClient], cfg: HttpConfig,
         outage: OutageGuard | None = None, drain: Drain | None = None,
     ) -> None:
         self._clients = dict(clients)
@@ -84,7 +84,7 @@ class Forwarder:
         self.transport = "none yet"
 
     def unavailable(self, message: str) -> errors.ServiceUnavailable:
-        """A 503 with the gateway's one ``Retry-After`` (``gateway.retry_after_s``)."""
+        """A 503 with the gateway's one ``Retry-After`` (``gateway.http.retry_after_s``)."""
         return errors.ServiceUnavailable(message, retry_after_s=self.cfg.retry_after_s)
 
     def model_unavailable(self, model_id: str, why: str) -> errors.ServiceUnavailable:

@@ -2,7 +2,7 @@
 
 When a model's only replica dies, Ray Serve's router keeps new requests in its queue until a new
 replica is ready: 24-35 s on CPU, during which a client saw nothing. ``OutageGuard.first`` waits
-for a model's first answer as before, but once a request has waited ``gateway.unavailable_hold_s``
+for a model's first answer as before, but once a request has waited ``gateway.http.unavailable_hold_s``
 (default 5 s) it asks whether the model is down; if so, the request is withdrawn and answered 503
 ``service_unavailable`` with ``Retry-After``. This is the only place that hold is waited.
 

@@ -79,7 +79,7 @@ class Pipeline:
             key_id=key.id,
             tier=key.tier,
             priority=admitted.tier.priority,
-            deadline=clock.arrival + self.cfg.gateway.request_timeout_s,
+            deadline=clock.arrival + self.cfg.gateway.http.request_timeout_s,
             tenant=key.owner,  # the prefix cache's salt: shared within an owner only
             arrival=clock.arrival,
             traceparent=trace.traceparent(),

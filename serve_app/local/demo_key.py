@@ -37,9 +37,9 @@ def demo_key_in(gw: GatewayConfig, secret_file: Path) -> str:
     """``ensure_demo_key`` in the store ``gw`` names, for the launcher (which is not async)."""
 
     async def ensure() -> str:
-        connections = Connections(gw.redis_url, Path(gw.state_dir) if gw.state_dir else None)
+        connections = Connections.of(gw.state)
         try:
-            return await ensure_demo_key(open_key_store(gw, connections), secret_file)
+            return await ensure_demo_key(open_key_store(gw.keys, connections), secret_file)
         finally:
             await connections.close()
 

@@ -180,7 +180,7 @@ def haproxy_env(run_dir: Path, host: str, binary: str) -> dict[str, str]:
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
         # The model replica -> gateway link carries one gRPC message per answer part; Ray keeps
         # gRPC's 4 MiB default. Complete answers travel in 1 MiB parts (protocol.split_complete),
-        # so this only has to hold a request body (gateway.max_body_bytes, at most 32 MiB) and
+        # so this only has to hold a request body (gateway.http.max_body_bytes, at most 32 MiB) and
         # its envelope.
         **GRPC_ENV,
     }

@@ -1,7 +1,7 @@
 """A loopback redis-server for the embedded default, so that usage and limits outlive a gateway.
 
 The gateway keeps per-key usage totals and rate-limit counters in Redis when
-``gateway.redis_url`` is set, and in its own memory otherwise: a gateway replica that died (or a
+``gateway.state.redis_url`` is set, and in its own memory otherwise: a gateway replica that died (or a
 second replica) started again from zero. ``serve-app run`` with a config that names no Redis
 starts one here: Debian's ``redis-server`` (installed by ``scripts/system-deps.sh``), bound to
 127.0.0.1 on a free port, persisting to ``<state_dir>`` (append-only file, fsync every second) so

@@ -83,11 +83,11 @@ class LocalStack:
                     host: str | None = None, port: int | None = None, keys_file: str | None = None,
                     ingress: str = "haproxy", verbose: bool = False) -> LocalStack:
         """A stack for a Ray Serve config file's app and ``http_options``; the arguments given
-        override the file's host, port and ``gateway.keys_file``."""
+        override the file's host, port and ``gateway.keys.file``."""
         http = dict(http_options or {})
         return cls(cfg, host=host or http.get("host", "127.0.0.1"),
                    port=port or int(http.get("port", 8000)),
-                   keys_file=Path(keys_file or cfg.gateway.keys_file), ingress=ingress,
+                   keys_file=Path(keys_file or cfg.gateway.keys.file), ingress=ingress,
                    verbose=verbose)
 
     @property
@@ -99,13 +99,14 @@ class LocalStack:
         """The demo key, the state store, the tiny model, the front door, then Ray. A keys file
         that cannot be read raises KeysFileError before anything starts."""
         secret_file = self.keys_file.parent / "demo-key.secret"
-        if self.cfg.gateway.keys_store == "file":
+        if self.cfg.gateway.keys.store == "file":
             # The launcher's own file: its demo key is written even where the admin API may not.
-            gw = self.cfg.gateway.model_copy(update={"keys_file": str(self.keys_file),
-                                                     "keys_read_only": False})
-            self.secret = demo_key_in(gw, secret_file)
+            keys = self.cfg.gateway.keys.model_copy(update={"file": str(self.keys_file),
+                                                            "read_only": False})
+            self.secret = demo_key_in(self.cfg.gateway.model_copy(update={"keys": keys}),
+                                      secret_file)
         self._start_state_store()
-        if self.cfg.gateway.keys_store != "file":  # in the store the state dir holds
+        if self.cfg.gateway.keys.store != "file":  # in the store the state dir holds
             self.secret = demo_key_in(self.cfg.gateway, secret_file)
         if any(m.source == "builtin:tiny-chat" for m in self.cfg.models):
             ensure_tiny_model(self.cfg.cache_dir)
@@ -115,28 +116,32 @@ class LocalStack:
         """Usage totals (and, with several gateway replicas, limit counters:
         ``state.limits.open_limits``) outlive a gateway replica in a local Redis, unless the
         config names a Redis of its own (redis_server.py). Without redis-server (or when the config
-        names a ``gateway.state_dir`` of its own), usage and budgets go to SQLite in the state dir,
+        names a ``gateway.state.dir`` of its own), usage and budgets go to SQLite in the state dir,
         which the audit log uses too: durable with nothing installed."""
-        update: dict[str, Any] = {"keys_file": str(self.keys_file)}
-        chosen_dir = self.cfg.gateway.state_dir
+        gw = self.cfg.gateway
+        chosen_dir = gw.state.dir
         state_dir = Path(chosen_dir or self.keys_file.parent / "state").resolve()
-        update["state_dir"] = str(state_dir)
-        if self.cfg.gateway.redis_url is None and chosen_dir is not None:
-            say(f"usage, budgets and audit: SQLite in {state_dir} (gateway.state_dir)")
-        elif self.cfg.gateway.redis_url is None:
+        state: dict[str, Any] = {"dir": str(state_dir)}
+        if gw.state.redis_url is None and chosen_dir is not None:
+            say(f"usage, budgets and audit: SQLite in {state_dir} (gateway.state.dir)")
+        elif gw.state.redis_url is None:
             try:
                 self.redis = start_local_redis(self.keys_file.parent / "state")
-                update["redis_url"] = self.redis.url
+                state["redis_url"] = self.redis.url
                 atexit.register(self.redis.stop)  # also when start-up fails before stop()
-                gw = self.cfg.gateway
-                shared = gw.limits_store == "redis" or (gw.limits_store == "auto" and gw.num_replicas > 1)
+                limits = gw.state.limits_store
+                shared = limits == "redis" or (limits == "auto" and gw.num_replicas > 1)
                 say(f"usage totals: local redis-server on {self.redis.url} (persisted in "
                     f"{self.redis.state_dir}); rate-limit counters "
                     f"{'shared there' if shared else 'in the gateway replica memory'}")
             except LocalStateError as exc:
                 say(f"usage and budgets: SQLite in {state_dir}; rate-limit counters stay in each "
                     f"gateway's memory: {exc}")
-        self.cfg = self.cfg.model_copy(update={"gateway": self.cfg.gateway.model_copy(update=update)})
+        gw = gw.model_copy(update={
+            "keys": gw.keys.model_copy(update={"file": str(self.keys_file)}),
+            "state": gw.state.model_copy(update=state),
+        })
+        self.cfg = self.cfg.model_copy(update={"gateway": gw})
 
     def _start_ray(self) -> None:
         say("starting Ray (local, loopback only) ...")
@@ -226,10 +231,10 @@ class LocalStack:
             self.prometheus.stop()
         try:
             # Delete the app first, while Ray Serve's proxies still run: the gateways give their
-            # streams gateway.drain_timeout_s to finish, then end them with an error event
+            # streams gateway.http.drain_timeout_s to finish, then end them with an error event
             # (gateway/drain.py). serve.shutdown() stops the proxies at once, cutting streams.
             t_drain = time.monotonic()
-            say(f"draining in-flight requests (at most {self.cfg.gateway.drain_timeout_s:.0f} s; "
+            say(f"draining in-flight requests (at most {self.cfg.gateway.http.drain_timeout_s:.0f} s; "
                 "Ctrl-C again to skip) ...")
             serve.delete(APP_NAME, _blocking=True)
             say(f"drained in {time.monotonic() - t_drain:.1f} s")

@@ -1,5 +1,5 @@
 """``serve-app keys``: create, list, rotate and revoke API keys in the config's key store (the YAML
-keys file by default; SQLite or Redis per ``gateway.keys_store``), through the same ``KeyOps`` as
+keys file by default; SQLite or Redis per ``gateway.keys.store``), through the same ``KeyOps`` as
 the admin API (serve_app/gateway/keys/ops.py). The store is async; this command is the sync edge
 that runs it (``asyncio.run``)."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from pathlib import Path
 from typing import Any
 
 from serve_app.config import GatewayConfig
@@ -22,8 +21,8 @@ def gateway_config(keys_file: str | None, config: str) -> GatewayConfig:
     given on the command line means that file, whatever the config's store."""
     gw = load_config(config).gateway
     if keys_file:
-        return gw.model_copy(update={"keys_file": keys_file, "keys_store": "file",
-                                     "keys_read_only": False})
+        keys = gw.keys.model_copy(update={"file": keys_file, "store": "file", "read_only": False})
+        return gw.model_copy(update={"keys": keys})
     return gw
 
 
@@ -39,9 +38,9 @@ def run(command: str, gw: GatewayConfig, key_id: str = "", *, tier: str = "stand
 
 async def _run(command: str, gw: GatewayConfig, key_id: str, *, tier: str, models: str,
                tenant: str | None, limits: dict[str, int] | None, **extra: Any) -> int:
-    connections = Connections(gw.redis_url, Path(gw.state_dir) if gw.state_dir else None)
+    connections = Connections.of(gw.state)
     try:
-        store = open_key_store(gw, connections)
+        store = open_key_store(gw.keys, connections)
         ops = KeyOps(store)
         where = store.location
         if command == "create":

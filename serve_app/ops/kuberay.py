@@ -5,8 +5,8 @@ fails when it is stale (a test runs it). The manifest holds:
 
 - a ``RayService`` whose ``serveConfigV2`` is the Serve config file itself (parsed and dumped, so it
   is the same document ``serve deploy`` reads), with the keys Secret mounted read-only where
-  ``gateway.keys_file`` points and a model cache volume at ``cache_dir`` on every pod;
-- the Redis that the gateway replicas share their limit counters through (``gateway.redis_url``).
+  ``gateway.keys.file`` points and a model cache volume at ``cache_dir`` on every pod;
+- the Redis that the gateway replicas share their limit counters through (``gateway.state.redis_url``).
 
 HAProxy's stats and metrics listeners (Ray Serve's throughput mode) are not exposed: no container
 port and no Service names them.
@@ -36,7 +36,7 @@ SERVE_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.gateway.http.proxy_middleware:middlewares",
-    # Room on the replica gRPC link for a request body up to gateway.max_body_bytes (front_door.py).
+    # Room on the replica gRPC link for a request body up to gateway.http.max_body_bytes (front_door.py).
     **GRPC_ENV,
 }
 
@@ -99,7 +99,7 @@ def manifest(config_path: Path) -> list[dict[str, Any]]:
     """The documents of the manifest for one Serve config file (validated by the app's schema)."""
     doc = yaml.safe_load(config_path.read_text())
     cfg = load_app_config(config_path)
-    keys_dir = str(Path(cfg.gateway.keys_file).parent)
+    keys_dir = str(Path(cfg.gateway.keys.file).parent)
     gpus_per_replica = max(m.world_size for m in cfg.models if m.accelerator.kind == "gpu")
     max_replicas = sum(
         (m.deployment.autoscaling_config.max_replicas if m.deployment.autoscaling_config
@@ -143,8 +143,8 @@ def manifest(config_path: Path) -> list[dict[str, Any]]:
         },
     }
     docs = [service]
-    if cfg.gateway.redis_url:
-        url = urlsplit(cfg.gateway.redis_url)
+    if cfg.gateway.state.redis_url:
+        url = urlsplit(cfg.gateway.state.redis_url)
         docs += _redis(url.hostname or "serve-app-redis", url.port or 6379)
     return docs
 

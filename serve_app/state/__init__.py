@@ -4,7 +4,6 @@ stores built on them. Nothing else under ``serve_app`` builds a Redis client or 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from serve_app.config import AppConfig
 from serve_app.state.audit import AUDIT_FILE, AuditFile
@@ -34,7 +33,7 @@ class State:
     limits: LimitBackend
     batches: BatchDocs
     files: FileStore
-    audit: AuditFile | None  # None without a state_dir: audit events are only counted
+    audit: AuditFile | None  # None without gateway.state.dir: audit events are only counted
     keys: KeyStore
 
     async def close(self) -> None:
@@ -44,27 +43,27 @@ class State:
 
 def open_state(cfg: AppConfig) -> State:
     """The stores ``cfg`` asks for. Usage and budgets: Redis when replicas share one
-    (``gateway.redis_url``), else SQLite in ``gateway.state_dir`` (one file, one connection, for
-    both), else memory. Limits: by ``gateway.limits_store`` (``state/limits.py``). Batches: Redis,
-    else JSON files under the files folder, where the files always are (``files_root``). The audit
-    trail: ``<state_dir>/audit.log``. Keys: by ``gateway.keys_store``, not yet loaded
-    (``await state.keys.refresh(force=True)``)."""
+    (``gateway.state.redis_url``), else SQLite in ``gateway.state.dir`` (one file, one connection,
+    for both), else memory. Limits: by ``gateway.state.limits_store`` (``state/limits.py``).
+    Batches: Redis, else JSON files under the files folder, where the files always are
+    (``files_root``). The audit trail: ``<gateway.state.dir>/audit.log``. Keys: by
+    ``gateway.keys.store``, not yet loaded (``await state.keys.refresh(force=True)``)."""
     gw = cfg.gateway
-    state_dir = Path(gw.state_dir) if gw.state_dir else None
-    connections = Connections(gw.redis_url, state_dir)
+    connections = Connections.of(gw.state)
+    state_dir = connections.state_dir
     usage: UsageStore
     budgets: BudgetBackend
-    if gw.redis_url:
+    if gw.state.redis_url:
         usage, budgets = RedisUsageStore(connections.redis()), RedisBudgets(connections.redis())
-    elif gw.state_dir:  # durable on one host without Redis
+    elif state_dir:  # durable on one host without Redis
         usage_file = connections.sqlite(USAGE_FILE)
         usage, budgets = SqliteUsageStore(usage_file), SqliteBudgets(usage_file)
     else:
         usage, budgets = MemoryUsageStore(), MemoryBudgets()
     root = files_root(cfg)
-    batches: BatchDocs = (RedisBatchStore(connections.redis()) if gw.redis_url
+    batches: BatchDocs = (RedisBatchStore(connections.redis()) if gw.state.redis_url
                           else FileBatchStore(root))
-    audit = AuditFile(state_dir / AUDIT_FILE, gw.audit_max_bytes) if state_dir else None
+    audit = AuditFile(state_dir / AUDIT_FILE, gw.accounting.audit_max_bytes) if state_dir else None
     return State(connections=connections, usage=usage, budgets=budgets,
                  limits=open_limits(gw, connections), batches=batches, files=FileStore(root),
-                 audit=audit, keys=open_key_store(gw, connections))
+                 audit=audit, keys=open_key_store(gw.keys, connections))

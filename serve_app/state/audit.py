@@ -1,5 +1,5 @@
-"""The audit trail's file: one JSON line per event, appended to ``<state_dir>/audit.log`` and
-rotated to ``audit.log.1`` above ``gateway.audit_max_bytes`` (so the trail is bounded at twice
+"""The audit trail's file: one JSON line per event, appended to ``<gateway.state.dir>/audit.log`` and
+rotated to ``audit.log.1`` above ``gateway.accounting.audit_max_bytes`` (so the trail is bounded at twice
 that). Several gateway replicas append to the same file: each line is one ``O_APPEND`` write,
 which POSIX keeps whole. What a line holds is ``gateway/accounting/audit.py``'s business.
 

@@ -2,7 +2,7 @@
 when) and its cancel request, shared by the gateway replicas.
 
 JSON files under ``<files root>/batches`` on the embedded default (leases under an ``flock``), or
-Redis (``gateway.redis_url``) for replicas on several nodes. The lease and the cancel request are
+Redis (``gateway.state.redis_url``) for replicas on several nodes. The lease and the cancel request are
 kept apart from the document: a runner writes the document often, and a cancel from another
 replica must not be lost under those writes. What a batch is (its fields, its state machine) is
 ``batch/batches.py``'s business; a store reads only ``id``, ``owner``, ``created_at`` and
@@ -182,7 +182,7 @@ return 1
 
 
 class RedisBatchStore:
-    """Batches in Redis (``gateway.redis_url``): shared by every gateway replica on every node."""
+    """Batches in Redis (``gateway.state.redis_url``): shared by every gateway replica on every node."""
 
     def __init__(self, client: redis.asyncio.Redis, prefix: str = REDIS_PREFIX) -> None:
         self._redis = client

@@ -1,7 +1,7 @@
 """Token-budget counters: one integer per budget and period, checked and charged atomically.
 
 In Redis when replicas share one (one script per admission: exact across replicas), else in the
-``budget`` table of ``<state_dir>/usage.sqlite`` (the usage totals' file and connection; each
+``budget`` table of ``<gateway.state.dir>/usage.sqlite`` (the usage totals' file and connection; each
 admission one ``BEGIN IMMEDIATE`` transaction, so atomic across the processes of one host), else
 in memory. What a budget is and when it resets is ``gateway/admission/budgets.py``'s business.
 """

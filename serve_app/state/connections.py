@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from serve_app.config import StateConfig
+
 if TYPE_CHECKING:
     import redis.asyncio
 
@@ -77,6 +79,11 @@ class Connections:
         self._redis: redis.asyncio.Redis | None = None
         self._files: dict[Path, SqliteFile] = {}
         self._files_lock = threading.Lock()
+
+    @classmethod
+    def of(cls, state: StateConfig) -> Connections:
+        """The connections ``gateway.state`` names (its ``redis_url`` and ``dir``)."""
+        return cls(state.redis_url, Path(state.dir) if state.dir else None)
 
     def redis(self) -> redis.asyncio.Redis:
         """The one async Redis client (its connection pool is shared by every store)."""

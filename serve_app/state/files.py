@@ -33,7 +33,7 @@ def files_root(cfg: AppConfig) -> Path:
     configured = cfg.gateway.batch.files_dir
     if configured:
         return Path(configured).expanduser()
-    return Path(cfg.gateway.keys_file).expanduser().resolve().parent / "batch"
+    return Path(cfg.gateway.keys.file).expanduser().resolve().parent / "batch"
 
 
 def new_id(prefix: str) -> str:

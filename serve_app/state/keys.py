@@ -3,9 +3,9 @@
 A ``KeyStore`` holds ``KeyRecord``s (SHA-256 digests only, never a secret). Three backends:
 
 - the YAML keys file (``FileKeyStore``): one host, editable by hand or Git; may be read-only;
-- SQLite (``SqliteKeyStore``, ``<state_dir>/keys.sqlite``): one host, durable with nothing
+- SQLite (``SqliteKeyStore``, ``<gateway.state.dir>/keys.sqlite``): one host, durable with nothing
   installed, shared by every gateway replica of the host through the file;
-- Redis (``RedisKeyStore``, one hash at ``gateway.redis_url``): a cluster.
+- Redis (``RedisKeyStore``, one hash at ``gateway.state.redis_url``): a cluster.
 
 A request's key is looked up in memory (``lookup``, ``by_id``: no I/O on the request path). The
 memory follows the store through ``refresh``, which asks for the store's version (the file's
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import yaml
 from pydantic import ValidationError
 
-from serve_app.config import GatewayConfig, KeyRecord, KeysFile, format_validation_error
+from serve_app.config import KeyRecord, KeysConfig, KeysFile, format_validation_error
 from serve_app.state.connections import Connections, SqliteFile
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ray.serve")
 
 POLL_S = 0.25  # how often a replica asks a database store whether keys changed (one cheap read)
-SQLITE_FILE = "keys.sqlite"  # in gateway.state_dir
+SQLITE_FILE = "keys.sqlite"  # in gateway.state.dir
 REDIS_PREFIX = "serve-app:keys"  # the hash; its version counter is REDIS_PREFIX + ":version"
 
 
@@ -67,7 +67,7 @@ class KeyInvalid(KeysFileError):
 
 
 class StoreReadOnly(KeysFileError):
-    """The store is declared read-only (``gateway.keys_read_only``): keys change elsewhere."""
+    """The store is declared read-only (``gateway.keys.read_only``): keys change elsewhere."""
 
 
 def digest(secret: str) -> str:
@@ -295,7 +295,7 @@ class FileKeyStore:
     async def write(self, record: KeyRecord, *, new: bool) -> None:
         """Add ``record`` (``new``) or replace the key of its id, in one atomic file replace."""
         if self.read_only:
-            raise StoreReadOnly("keys are read-only here (gateway.keys_read_only): change the keys "
+            raise StoreReadOnly("keys are read-only here (gateway.keys.read_only): change the keys "
                                 "file where it is kept")
         await asyncio.to_thread(self._write_sync, record, new)
         await self.refresh(force=True)
@@ -360,7 +360,7 @@ class SqliteKeyStore:
 
     async def write(self, record: KeyRecord, *, new: bool) -> None:
         if self.read_only:
-            raise StoreReadOnly("keys are read-only here (gateway.keys_read_only)")
+            raise StoreReadOnly("keys are read-only here (gateway.keys.read_only)")
 
         def write(db: sqlite3.Connection) -> None:
             self._schema(db)
@@ -432,7 +432,7 @@ class RedisKeyStore:
 
     async def write(self, record: KeyRecord, *, new: bool) -> None:
         if self.read_only:
-            raise StoreReadOnly("keys are read-only here (gateway.keys_read_only)")
+            raise StoreReadOnly("keys are read-only here (gateway.keys.read_only)")
         if new:
             if not await self._redis.hsetnx(self._hash, record.id, _doc(record)):
                 raise KeyConflict(f"key id {record.id!r} already exists; revoke it or choose "
@@ -469,15 +469,13 @@ class RedisKeyStore:
             return record
 
 
-def open_key_store(gw: GatewayConfig, connections: Connections, *,
+def open_key_store(keys: KeysConfig, connections: Connections, *,
                    clock: Callable[[], float] = time.monotonic) -> KeyStore:
-    """The store ``gateway.keys_store`` names (the config checked that its place is set), on
-    ``connections``. Nothing is read yet: ``await store.refresh(force=True)`` loads the keys."""
-    if gw.keys_store == "redis":
-        return RedisKeyStore(connections.redis(), read_only=gw.keys_read_only, clock=clock)
-    if gw.keys_store == "sqlite":
-        assert gw.state_dir
-        return SqliteKeyStore(connections.sqlite(Path(gw.state_dir) / SQLITE_FILE),
-                              read_only=gw.keys_read_only, clock=clock)
-    return FileKeyStore(Path(gw.keys_file), gw.keys_reload_interval_s, clock,
-                        read_only=gw.keys_read_only)
+    """The store ``gateway.keys.store`` names, on ``connections`` (``Connections.of(gateway.state)``:
+    the config checked that the store's place is set there). Nothing is read yet:
+    ``await store.refresh(force=True)`` loads the keys."""
+    if keys.store == "redis":
+        return RedisKeyStore(connections.redis(), read_only=keys.read_only, clock=clock)
+    if keys.store == "sqlite":  # in the state dir
+        return SqliteKeyStore(connections.sqlite(SQLITE_FILE), read_only=keys.read_only, clock=clock)
+    return FileKeyStore(Path(keys.file), keys.reload_interval_s, clock, read_only=keys.read_only)

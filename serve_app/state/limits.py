@@ -9,7 +9,7 @@ estimate) and settled against the real usage when the request ends, which refund
 
 ``MemoryBackend`` serves one gateway replica; ``RedisBackend`` runs the same algorithm in one Lua
 script so that several replicas share the limits. ``open_limits`` picks one by
-``gateway.limits_store``: with one gateway replica the counters stay in memory, because the Redis
+``gateway.state.limits_store``: with one gateway replica the counters stay in memory, because the Redis
 round trip sits before every request's first token (issue 22 measured the admission stage at a
 75 ms mean and a 420 ms p95 on a busy 2-core host, almost all of it that call). A restarted replica
 starts its per-minute counters afresh: at most one minute of RPM/TPM is forgiven.
@@ -212,10 +212,11 @@ class RedisBackend:
 
 
 def open_limits(gw: GatewayConfig, connections: Connections) -> LimitBackend:
-    """The counters ``gw.limits_store`` asks for (``auto``: shared in Redis only when several
-    gateway replicas must agree on them)."""
-    shared = gw.limits_store == "redis" or (gw.limits_store == "auto" and gw.num_replicas > 1)
-    if shared and gw.redis_url:
+    """The counters ``gateway.state.limits_store`` asks for (``auto``: shared in Redis only when
+    several gateway replicas must agree on them)."""
+    store = gw.state.limits_store
+    shared = store == "redis" or (store == "auto" and gw.num_replicas > 1)
+    if shared and gw.state.redis_url:
         return RedisBackend(connections.redis())
     if gw.num_replicas > 1:
         logger.warning("limits are counted per gateway replica (%d replicas, no shared Redis): "

@@ -1,7 +1,7 @@
 """Usage totals per key: integer fields added up (``requests``, ``prompt_tokens``, ...).
 
 In process for one gateway replica, in Redis hashes when replicas share Redis (so that every
-replica answers ``/v1/usage`` with the same numbers), or in SQLite (``<state_dir>/usage.sqlite``)
+replica answers ``/v1/usage`` with the same numbers), or in SQLite (``<gateway.state.dir>/usage.sqlite``)
 when there is no Redis: durable through a SIGKILL of the replica, and shared by the replicas of
 one host. The stores do not own their connections: ``Connections.close`` gives them back.
 """

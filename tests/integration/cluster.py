@@ -190,7 +190,7 @@ def write_config(src: Path, workdir: Path, port: int, keys_file: Path, redis_url
     """A copy of ``src`` on ``port`` with the test's keys file and Redis (validated)."""
 
     def edit_all(args: dict[str, Any]) -> None:
-        args["gateway"]["redis_url"] = redis_url
+        args["gateway"].setdefault("state", {})["redis_url"] = redis_url
         if edit is not None:
             edit(args)
 

@@ -39,13 +39,11 @@ def session_overrides(redis_url: str) -> Any:
     """configs/local.yaml's args with test-only limits, so that every error case is reached quickly."""
 
     def edit(args: dict[str, Any]) -> None:
-        args["gateway"].update(
-            max_body_bytes=MAX_BODY_BYTES,
-            num_replicas=GATEWAY_REPLICAS,
-            num_cpus=0.25,
-            redis_url=redis_url,
-            keys_reload_interval_s=1.0,
-        )
+        gateway = args["gateway"]
+        gateway.update(num_replicas=GATEWAY_REPLICAS, num_cpus=0.25)
+        gateway.setdefault("http", {})["max_body_bytes"] = MAX_BODY_BYTES
+        gateway.setdefault("state", {})["redis_url"] = redis_url
+        gateway.setdefault("keys", {})["reload_interval_s"] = 1.0
         tiny = next(m for m in args["models"] if m["id"] == "tiny-chat")
         tiny["engine"].update(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
                               enable_prefix_caching=True)

@@ -25,7 +25,7 @@ from typing import Any
 from tests.integration.rawhttp import RawResponse, request
 
 ANSWER_BOUND_S = 30.0  # every case is answered within this (a 2-token generation included)
-MAX_BODY_BYTES = 256 * 1024  # tests/integration/conftest.py's gateway.max_body_bytes
+MAX_BODY_BYTES = 256 * 1024  # tests/integration/conftest.py's gateway.http.max_body_bytes
 
 CHAT = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": "tiny-chat", "prompt": "hi", "max_tokens": 2}

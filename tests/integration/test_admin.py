@@ -1,5 +1,5 @@
 """Keys as operators run them (issue 25), on a stack of its own: two gateway replicas, no Redis
-(usage, budgets, keys and the audit log in SQLite and files under ``gateway.state_dir``, as on a
+(usage, budgets, keys and the audit log in SQLite and files under ``gateway.state.dir``, as on a
 fresh machine without Debian's redis-server).
 
 Create over the admin API answers on both replicas within 1 s, a revoke within 2 s; a budget
@@ -44,8 +44,10 @@ CHAT = {"model": "tiny-chat", "messages": [{"role": "user", "content": "Tell me 
 
 def _edit(state_dir: Path) -> Any:
     def edit(args: dict[str, Any]) -> None:
-        args["gateway"].update(num_replicas=2, num_cpus=0.25, state_dir=str(state_dir),
-                               keys_store="sqlite")
+        gateway = args["gateway"]
+        gateway.update(num_replicas=2, num_cpus=0.25)
+        gateway.setdefault("state", {})["dir"] = str(state_dir)
+        gateway.setdefault("keys", {})["store"] = "sqlite"
         # Per-minute limits across replicas need Redis; budgets do not (SQLite is shared).
         for tier in args["tiers"].values():
             tier.pop("key_limits", None)

@@ -52,7 +52,8 @@ def _edit(args: dict[str, Any]) -> None:
     tiny["env"] = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
     args["models"] = [tiny]
     args["routes"] = []
-    args["gateway"].update(num_replicas=2, num_cpus=0.25, keys_reload_interval_s=1.0)
+    args["gateway"].update(num_replicas=2, num_cpus=0.25)
+    args["gateway"].setdefault("keys", {})["reload_interval_s"] = 1.0
     args["tiers"] = {TIER: {"priority": 0, "description": "no limits (two gateway replicas)"}}
     args["default_tier"] = TIER
 

@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 MODEL = "tiny-chat"
 DEPLOYMENT = "model-tiny-chat"
-HOLD_S = 5.0  # gateway.unavailable_hold_s's default
+HOLD_S = 5.0  # gateway.http.unavailable_hold_s's default
 RECOVERY_BOUND_S = 150.0
 
 
@@ -166,7 +166,7 @@ def test_gateway_death_keeps_usage_and_the_other_replica_serves(stack) -> None:
 def test_ctrl_c_lets_streams_finish_or_ends_them_with_an_error_event(stack) -> None:
     """Ctrl-C of `serve-app run` (SIGINT to its process group, as a terminal sends it) while
     streams run: short ones finish, long ones end with an error event and [DONE] once
-    gateway.drain_timeout_s (10 s) has passed; none is cut. This stops the session stack."""
+    gateway.http.drain_timeout_s (10 s) has passed; none is cut. This stops the session stack."""
     import openai
 
     from loadtests.harness.faults import stream_once

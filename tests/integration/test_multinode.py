@@ -31,7 +31,8 @@ BIN = Path(sys.executable).parent
 def two_nodes(args: dict[str, Any]) -> None:
     """The gateway on the head node, the chat model on the worker node (custom resources); one
     gateway replica and only the chat model, to keep the test short."""
-    args["gateway"].update(num_replicas=1, resources={"head_node": 0.01}, unavailable_hold_s=5)
+    args["gateway"].update(num_replicas=1, resources={"head_node": 0.01})
+    args["gateway"].setdefault("http", {})["unavailable_hold_s"] = 5
     tiny = next(m for m in args["models"] if m["id"] == "tiny-chat")
     tiny["deployment"] = {"num_replicas": 1, "max_ongoing_requests": 12, "max_queued_requests": 32,
                           "health_check_period_s": 2, "health_check_timeout_s": 5}

@@ -57,7 +57,7 @@ def test_canary_secret_never_leaks(stack, serve_handles) -> None:
     for path in [stack.log, *(p for p in (session / "logs").rglob("*") if p.is_file())]:
         assert secret.encode() not in path.read_bytes(), f"secret found in {path}"
 
-    # The audit trail (gateway.state_dir, which serve-app run sets): the canary's failed
+    # The audit trail (gateway.state.dir, which serve-app run sets): the canary's failed
     # authentications are there, its secret is not.
     audit = stack.keys_file.parent / "state" / "audit.log"
     lines = audit.read_text()

@@ -30,7 +30,7 @@ def _post(stack, secret: str, body: dict[str, Any], **kw: Any) -> httpx.Response
 
 def _new_key(stack, key_id: str, tier: str, **limits: int) -> str:
     """A key made in the stack's keys file, once every gateway replica knows it (a replica re-reads
-    the file at most once per keys_reload_interval_s, 1 s here, on a request)."""
+    the file at most once per gateway.keys.reload_interval_s, 1 s here, on a request)."""
     secret = create_key(stack.keys_file, key_id, tier, ["*"], limits=limits or None)
     stack.wait_keys(accepted=[secret])
     return secret

@@ -19,8 +19,9 @@ LINE = (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[Admin]:
-    a = Admin(tmp_path, batch={"max_open_batches_per_key": 2, "max_open_batches_per_owner": 3,
-                               "max_files_per_owner": 4})
+    a = Admin(tmp_path, gateway={"batch": {"max_open_batches_per_key": 2,
+                                           "max_open_batches_per_owner": 3,
+                                           "max_files_per_owner": 4}})
     with a.client:
         yield a
 

@@ -24,7 +24,8 @@ LINE = (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[Admin]:
-    a = Admin(tmp_path, tenant_budgets={"acme": {"tokens": 1000, "period": "day"}})
+    a = Admin(tmp_path, gateway={"accounting": {"tenant_budgets": {
+        "acme": {"tokens": 1000, "period": "day"}}}})
     with a.client:
         yield a
 

@@ -21,12 +21,13 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
 
 
 class Admin:
-    def __init__(self, tmp_path: Path, **gateway: Any) -> None:
+    def __init__(self, tmp_path: Path, gateway: dict[str, Any] | None = None, **keys: Any) -> None:
+        """``keys``: the ``gateway.keys`` section's fields; ``gateway``: other gateway sections."""
         self.state = tmp_path / "state"
         app_config = {
             "models": [{"id": "tiny-chat", "source": "builtin:tiny-chat", "aliases": ["tiny"]}],
-            "gateway": {"keys_file": str(tmp_path / "keys.yaml"), "keys_store": "sqlite",
-                        "state_dir": str(self.state), **gateway},
+            "gateway": {"keys": {"file": str(tmp_path / "keys.yaml"), "store": "sqlite", **keys},
+                        "state": {"dir": str(self.state)}, **(gateway or {})},
         }
         self.models = FakeModels()
         self.models.items = [head(200, b'{"object": "fake"}', tokens=tokens_of(10, 30))]
@@ -135,7 +136,7 @@ def test_budget_spent_is_insufficient_quota(admin: Admin) -> None:
 
 
 def test_read_only_store_refuses_admin_writes(tmp_path: Path) -> None:
-    a = Admin(tmp_path, keys_read_only=True)
+    a = Admin(tmp_path, read_only=True)
     with a.client:
         resp = a.call("POST", "/admin/v1/keys", a.admin, json={"id": "x"})
         _code(resp, 403, "read_only_store")

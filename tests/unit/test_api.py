@@ -75,11 +75,8 @@ class Env:
                 {"id": "minilm-embed", "source": "x", "task": "embed", "aliases": ["all-minilm-l6-v2"]},
             ],
             "gateway": {
-                "keys_file": str(self.keys_file),
-                "keys_reload_interval_s": 1.0,
-                "max_body_bytes": MAX_BODY,
-                "request_timeout_s": 30,
-                "retry_after_s": 3,
+                "keys": {"file": str(self.keys_file), "reload_interval_s": 1.0},
+                "http": {"max_body_bytes": MAX_BODY, "request_timeout_s": 30, "retry_after_s": 3},
             },
             "tiers": {"standard": {"priority": 0}, "premium": {"priority": 5}},
         }

@@ -89,17 +89,17 @@ def test_a_key_created_elsewhere_a_moment_ago_is_accepted_before_the_next_poll(
     from serve_app.state.connections import Connections
     from serve_app.state.keys import open_key_store
 
-    gw = GatewayConfig(state_dir=str(tmp_path), keys_store="sqlite",
-                       keys_file=str(tmp_path / "keys.yaml"))
+    gw = GatewayConfig(state={"dir": str(tmp_path)},
+                       keys={"store": "sqlite", "file": str(tmp_path / "keys.yaml")})
 
     def request(secret: str) -> Request:
         return Request({"type": "http", "method": "GET", "path": "/v1/models", "headers": [
             (b"authorization", f"Bearer {secret}".encode())]})
 
     async def go() -> None:
-        here = open_key_store(gw, Connections(None, tmp_path))
+        here = open_key_store(gw.keys, Connections(None, tmp_path))
         await here.refresh(force=True)
-        issued = await KeyOps(open_key_store(gw, Connections(None, tmp_path))).create("fresh")
+        issued = await KeyOps(open_key_store(gw.keys, Connections(None, tmp_path))).create("fresh")
         assert here.lookup(issued.secret) is None  # the memory has not seen it yet
         await asyncio.sleep(here.interval_s)  # past the refresh interval, with no poll running
         assert (await identify(request(issued.secret), here, None)).id == "fresh"

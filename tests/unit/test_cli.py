@@ -194,7 +194,7 @@ def test_the_stack_takes_host_and_port_from_the_file_unless_given(tmp_path: Path
     cfg = load_app_config(CONFIG_FILES[0].parent / "local.yaml")
     stack = LocalStack.from_config(cfg, {"host": "0.0.0.0", "port": 9000})
     assert (stack.host, stack.port) == ("0.0.0.0", 9000)
-    assert stack.keys_file == Path(cfg.gateway.keys_file).resolve()
+    assert stack.keys_file == Path(cfg.gateway.keys.file).resolve()
     stack = LocalStack.from_config(cfg, None, host="127.0.0.2", port=9100,
                                    keys_file=str(tmp_path / "k.yaml"))
     assert stack.base_url == "http://127.0.0.2:9100/v1"

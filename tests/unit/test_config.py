@@ -16,6 +16,7 @@ from serve_app.config import (
     DeploymentOptions,
     EngineArgs,
     GatewayConfig,
+    HttpConfig,
     KeysFile,
     ModelConfig,
     format_validation_error,
@@ -336,8 +337,29 @@ def test_shipped_config_file_is_valid(path: Path) -> None:
         assert isinstance(cfg, AppConfig)
 
 
+@pytest.mark.parametrize(("gateway", "line"), [
+    ({"state": {"limits_store": "redis"}},
+     "gateway: gateway.state.limits_store ('redis') needs gateway.state.redis_url"),
+    ({"keys": {"store": "redis"}}, "gateway: gateway.keys.store ('redis') needs gateway.state.redis_url"),
+    ({"keys": {"store": "sqlite"}}, "gateway: gateway.keys.store ('sqlite') needs gateway.state.dir"),
+])
+def test_a_store_needs_its_place_named_by_full_path(gateway: dict[str, Any], line: str) -> None:
+    with pytest.raises(ValidationError) as exc_info:
+        AppConfig.model_validate(app_doc(gateway=gateway))
+    assert line in _messages(exc_info).splitlines()
+
+
+def test_a_gateway_field_of_before_its_sections_is_refused_by_name() -> None:
+    """The old flat names (docs/CONFIG.md lists their new places) fail like any unknown field."""
+    with pytest.raises(ValidationError) as exc_info:
+        AppConfig.model_validate(app_doc(gateway={"request_timeout_s": 600}))
+    assert "gateway.request_timeout_s: Extra inputs are not permitted (got 600)" in (
+        _messages(exc_info).splitlines()
+    )
+
+
 def test_max_body_bytes_is_bounded_by_the_replica_message_limit() -> None:
-    assert GatewayConfig(max_body_bytes=32 * 2**20).max_body_bytes == 32 * 2**20
+    assert HttpConfig(max_body_bytes=32 * 2**20).max_body_bytes == 32 * 2**20
     with pytest.raises(ValidationError) as info:
-        GatewayConfig(max_body_bytes=32 * 2**20 + 1)
+        HttpConfig(max_body_bytes=32 * 2**20 + 1)
     assert "max_body_bytes" in str(info.value) and "33554432" in str(info.value)

@@ -41,7 +41,7 @@ def _cfg(*, inflight: int = 2, gateway_replicas: int = 1, enabled: bool = True,
         "default_tier": "standard",
         # (several replicas with limits need Redis in the config; these tests use MemoryBackend)
         "gateway": {"num_replicas": gateway_replicas,
-                    "redis_url": "redis://127.0.0.1:1/0" if gateway_replicas > 1 else None},
+                    "state": {"redis_url": "redis://127.0.0.1:1/0" if gateway_replicas > 1 else None}},
         "models": [{
             "id": "tiny", "source": "builtin:tiny-chat",
             "engine": {"max_num_seqs": 64, "scheduling_policy": "priority"},
@@ -428,7 +428,7 @@ def _http(tmp_path: Path, enabled: bool = True) -> tuple[TestClient, GatewayDeps
     app_config = {
         "models": [{"id": "tiny-chat", "source": "builtin:tiny-chat",
                     "flow": {"enabled": enabled, "max_inflight_per_replica": 1}}],
-        "gateway": {"keys_file": str(keys_file), "retry_after_s": 3},
+        "gateway": {"keys": {"file": str(keys_file)}, "http": {"retry_after_s": 3}},
         "tiers": {"premium": {"priority": 0, "max_queue_wait_s": 0.05}},
         "default_tier": "premium",
     }

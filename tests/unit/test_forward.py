@@ -22,7 +22,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.responses import Response, StreamingResponse
 
 from serve_app import errors
-from serve_app.config import APP_NAME, GatewayConfig
+from serve_app.config import APP_NAME, HttpConfig
 from serve_app.gateway.accounting.timing import StageClock
 from serve_app.gateway.admission.ledger import Outcome
 from serve_app.gateway.forward import Forwarder, HandleClient
@@ -55,9 +55,9 @@ class FakePass:
         self.outcomes.append(out)
 
 
-def _forwarder(gen: FakeStream, **gw: Any) -> tuple[Forwarder, FakeHandle]:
+def _forwarder(gen: FakeStream, **http: Any) -> tuple[Forwarder, FakeHandle]:
     handle = FakeHandle(gen)
-    cfg = GatewayConfig(**{"retry_after_s": 7, **gw})
+    cfg = HttpConfig(**{"retry_after_s": 7, **http})
     return Forwarder({"tiny-chat": HandleClient(handle)}, cfg), handle
 
 
@@ -379,7 +379,7 @@ def test_a_request_held_for_a_lost_replica_is_answered_503_once_none_runs() -> N
     live.refresh()
     gen = FakeStream([HANG])
     handle = FakeHandle(gen)
-    cfg = GatewayConfig(retry_after_s=7, unavailable_hold_s=0.5)
+    cfg = HttpConfig(retry_after_s=7, unavailable_hold_s=0.5)
     fwd = Forwarder({"tiny-chat": HandleClient(handle)}, cfg,
                     OutageGuard(cfg.unavailable_hold_s, live))
 

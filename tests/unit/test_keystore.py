@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from serve_app.config import GatewayConfig, KeyRecord
+from serve_app.config import GatewayConfig, KeyRecord, KeysConfig
 from serve_app.gateway.keys.ops import KeyOps
 from serve_app.state.connections import Connections
 from serve_app.state.keys import (
@@ -228,17 +228,17 @@ def test_keep_fresh_polls_every_interval(tmp_path: Path) -> None:
 
 
 def test_open_key_store_follows_the_config(tmp_path: Path) -> None:
-    gw = GatewayConfig(keys_file=str(tmp_path / "k.yaml"), keys_store="sqlite",
-                       state_dir=str(tmp_path / "state"))
-    connections = Connections(None, tmp_path / "state")
-    store = open_key_store(gw, connections)
+    gw = GatewayConfig(keys={"file": str(tmp_path / "k.yaml"), "store": "sqlite"},
+                       state={"dir": str(tmp_path / "state")})
+    connections = Connections.of(gw.state)
+    store = open_key_store(gw.keys, connections)
     assert isinstance(store, SqliteKeyStore)
     assert store.location == str((tmp_path / "state" / "keys.sqlite").resolve())
-    assert isinstance(open_key_store(GatewayConfig(keys_file=str(tmp_path / "k.yaml")), connections),
+    assert isinstance(open_key_store(KeysConfig(file=str(tmp_path / "k.yaml")), connections),
                       FileKeyStore)
     asyncio.run(connections.close())
-    with pytest.raises(ValueError, match="needs gateway.redis_url"):
-        GatewayConfig(keys_store="redis")
+    with pytest.raises(ValueError, match="needs gateway.state.redis_url"):
+        GatewayConfig(keys={"store": "redis"})
 
 
 def test_expiry() -> None:

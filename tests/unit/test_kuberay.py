@@ -61,7 +61,7 @@ def test_every_pod_mounts_the_keys_secret_read_only_and_the_model_cache() -> Non
         (container,) = pod["containers"]
         mounts = {m["name"]: m for m in container["volumeMounts"]}
         assert mounts["keys"]["readOnly"] is True
-        assert mounts["keys"]["mountPath"] == str(Path(cfg.gateway.keys_file).parent)
+        assert mounts["keys"]["mountPath"] == str(Path(cfg.gateway.keys.file).parent)
         assert mounts["model-cache"]["mountPath"] == cfg.cache_dir
         env = {e["name"]: e["value"] for e in container["env"]}
         assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
@@ -87,7 +87,7 @@ def test_gpu_workers_fit_the_largest_tensor_parallel_replica() -> None:
 def test_redis_service_is_the_one_the_gateway_names() -> None:
     docs = manifest(PROD)
     service = next(d for d in docs if d["kind"] == "Service")
-    assert load_app_config(PROD).gateway.redis_url == (
+    assert load_app_config(PROD).gateway.state.redis_url == (
         f"redis://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}/0")
 
 

@@ -55,7 +55,7 @@ class Env:
         self.admission = Admission(cfg, self.backend, usage=usage)
         clients = {m: HandleClient(h) for m, h in self.handles.items()}
         self.pipeline = Pipeline(cfg, Router(cfg), self.admission,
-                                 Forwarder(clients, cfg.gateway), usage)
+                                 Forwarder(clients, cfg.gateway.http), usage)
 
     async def request(self, body: dict[str, Any]) -> Any:
         return to_response(await self.pipeline.handle(KEY, CHAT, body, 40, StageClock(time.time()),

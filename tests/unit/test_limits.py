@@ -138,10 +138,10 @@ def test_concurrent_admissions_never_overshoot(backend) -> None:
 ])
 def test_open_limits_follows_limits_store(store: str, replicas: int, redis_url: str | None,
                                           kind: type) -> None:
-    gw = GatewayConfig(limits_store=store, num_replicas=replicas, redis_url=redis_url)
-    assert isinstance(open_limits(gw, Connections(gw.redis_url, None)), kind)
+    gw = GatewayConfig(num_replicas=replicas, state={"limits_store": store, "redis_url": redis_url})
+    assert isinstance(open_limits(gw, Connections(gw.state.redis_url, None)), kind)
 
 
 def test_redis_limits_store_needs_a_redis_url() -> None:
     with pytest.raises(ValidationError, match="limits_store"):
-        GatewayConfig(limits_store="redis")
+        GatewayConfig(state={"limits_store": "redis"})

@@ -47,7 +47,7 @@ def _cfg(**gateway: Any) -> AppConfig:
                   admission={"saturation_requests": 40}),
         tiers={"premium": tier(0, shed_at=1.0), "batch": tier(10, shed_at=0.5)},
         default_tier="premium",
-        gateway={"unavailable_hold_s": 0.3, "replicas_refresh_s": 0.05, **gateway},
+        gateway={"http": {"unavailable_hold_s": 0.3}, "replicas_refresh_s": 0.05, **gateway},
     )
 
 
@@ -154,8 +154,8 @@ def test_cluster_cpu_config_is_prod_layout_with_tiny_models() -> None:
     assert list(cluster.tiers) == list(prod.tiers) and cluster.default_tier == prod.default_tier
     assert [t.shed_at < 1.0 for t in cluster.tiers.values()] == [t.shed_at < 1.0 for t in prod.tiers.values()]
     g = cluster.gateway
-    assert g.num_replicas == prod.gateway.num_replicas == 2 and g.redis_url
-    assert g.keys_file == prod.gateway.keys_file  # the mounted Secret
+    assert g.num_replicas == prod.gateway.num_replicas == 2 and g.state.redis_url
+    assert g.keys.file == prod.gateway.keys.file  # the mounted Secret
     assert [m.task for m in cluster.models] == [m.task for m in prod.models]
     chat = cluster.models[0]
     assert chat.source == "builtin:tiny-chat" and chat.accelerator.kind == "cpu"
@@ -164,7 +164,7 @@ def test_cluster_cpu_config_is_prod_layout_with_tiny_models() -> None:
     # Streams drain on scale-down and updates; an update starts the new replica first.
     for m in cluster.models:
         assert m.deployment.graceful_shutdown_timeout_s >= 120 and m.deployment.max_surge_percent == 100
-    assert g.drain_timeout_s + 5 >= 120  # app.py: the gateway's graceful_shutdown_timeout_s
+    assert g.http.drain_timeout_s + 5 >= 120  # app.py: the gateway's graceful_shutdown_timeout_s
 
 
 def test_gateway_modules_load_no_engine_code() -> None:

@@ -60,15 +60,15 @@ def test_wait_until_fails_fast_and_stop_finds_the_orphans(tmp_path: Path) -> Non
 
 def test_copy_config_uses_a_private_port_and_keys_file(tmp_path: Path) -> None:
     def edit(args: dict[str, Any]) -> None:
-        args["gateway"]["max_body_bytes"] = 4096
+        args["gateway"]["http"] = {"max_body_bytes": 4096}
 
     path = harness.copy_config(LOCAL, tmp_path / "serve.yaml", port=8123,
                                keys_file=tmp_path / "keys.yaml", edit=edit)
     doc = yaml.safe_load(path.read_text())
     assert doc["http_options"]["host"] == "127.0.0.1" and doc["http_options"]["port"] == 8123
     cfg = harness.read_config(path)
-    assert cfg.gateway.keys_file == str(tmp_path / "keys.yaml")
-    assert cfg.gateway.max_body_bytes == 4096
+    assert cfg.gateway.keys.file == str(tmp_path / "keys.yaml")
+    assert cfg.gateway.http.max_body_bytes == 4096
     # Everything else is the source config's.
     assert [m.id for m in cfg.models] == [m.id for m in harness.read_config(LOCAL).models]
 

@@ -21,10 +21,10 @@ from serve_app.state.limits import Charge, MemoryBackend, RedisBackend
 from serve_app.state.usage import MemoryUsageStore, RedisUsageStore, SqliteUsageStore
 
 
-def _cfg(tmp_path: Path, **gateway: Any) -> AppConfig:
+def _cfg(tmp_path: Path, **state: Any) -> AppConfig:
     return AppConfig.model_validate({
         "models": [{"id": "tiny-chat", "source": "builtin:tiny-chat"}],
-        "gateway": {"keys_file": str(tmp_path / "keys.yaml"), **gateway},
+        "gateway": {"keys": {"file": str(tmp_path / "keys.yaml")}, "state": state},
     })
 
 
@@ -34,10 +34,10 @@ def _clients(url: str) -> int:
 
 
 def test_the_embedded_default_is_durable_on_one_sqlite_connection(tmp_path: Path) -> None:
-    """Without Redis, usage and budgets go to ``<state_dir>/usage.sqlite`` over one connection, the
-    audit trail to ``<state_dir>/audit.log``; batches and files to the files folder beside the keys
+    """Without Redis, usage and budgets go to ``<gateway.state.dir>/usage.sqlite`` over one connection, the
+    audit trail to ``<gateway.state.dir>/audit.log``; batches and files to the files folder beside the keys
     file; limits stay in memory."""
-    state = open_state(_cfg(tmp_path, state_dir=str(tmp_path / "state")))
+    state = open_state(_cfg(tmp_path, dir=str(tmp_path / "state")))
     assert isinstance(state.usage, SqliteUsageStore) and isinstance(state.budgets, SqliteBudgets)
     assert isinstance(state.limits, MemoryBackend) and isinstance(state.batches, FileBatchStore)
     assert state.usage._file is state.budgets._file  # one SqliteFile for the two

@@ -2,8 +2,8 @@
 
 A line holds the time, the actor's key id (None when the caller had no valid key), the action, the
 target key id and the result; never a secret, a digest or a prompt. Lines go to the state's audit
-file (``state/audit.py``: ``<state_dir>/audit.log``, rotated above ``gateway.audit_max_bytes``), and
-are counted in ``serve_app_audit_events_total``.
+file (``state/audit.py``: ``<gateway.state.dir>/audit.log``, rotated above
+``gateway.accounting.audit_max_bytes``), and are counted in ``serve_app_audit_events_total``.
 
 Failed authentications of callers with no valid key are sampled: at most
 ``unauthenticated_per_min`` lines a minute per replica, the rest counted (the metric counts

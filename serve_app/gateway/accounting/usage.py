@@ -1,6 +1,6 @@
 """Usage accounting per key and tier: metrics for Prometheus, totals for ``GET /v1/usage``.
 
-The totals live in a ``state.usage.UsageStore`` (memory, Redis, or SQLite in ``gateway.state_dir``;
+The totals live in a ``state.usage.UsageStore`` (memory, Redis, or SQLite in ``gateway.state.dir``;
 ``state.open_state`` picks it). Next to the totals, each key's tokens are kept per model
 (``m:<model>:<field>``) and per UTC day (``d:<YYYY-MM-DD>:<field>``) for the admin API.
 """
@@ -46,7 +46,7 @@ class Usage:
         self.store = store
         self.metrics = metrics
         self.stages = stages  # the per-stage histogram (``metrics.StageMetrics``)
-        self.spans = spans  # OpenTelemetry export, when ``gateway.otlp_endpoint`` is set
+        self.spans = spans  # OpenTelemetry export, when ``gateway.accounting.otlp_endpoint`` is set
 
     def stages_finished(self, clock: StageClock, trace: TraceContext, *, tier: str, model: str) -> None:
         """Where one request's time went: each stage into the histogram (and spans), once."""

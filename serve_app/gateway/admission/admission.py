@@ -22,7 +22,7 @@ queue wait):
    flow queue); past its tier's bound the request gets 503 with ``Retry-After``.
 
 A model with no running replica is not refused here: the forwarder's outage guard holds such a
-request at most ``gateway.unavailable_hold_s`` (``capacity``, ``outage``).
+request at most ``gateway.http.unavailable_hold_s`` (``capacity``, ``outage``).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class Admission:
     def _refuse_if_draining(self) -> None:
         if self.drain is not None and self.drain.draining:
             raise errors.ServiceUnavailable("the server is shutting down; retry shortly",
-                                            retry_after_s=self.cfg.gateway.retry_after_s)
+                                            retry_after_s=self.cfg.gateway.http.retry_after_s)
 
     async def _give_back(self, ticket: Ticket, hold: BudgetHold | None) -> None:
         """Release a ticket and a budget hold that never ran (idempotent: both settle once)."""

@@ -8,7 +8,7 @@ the budget only by what the requests in flight at that moment use, and a spent b
 429 ``insufficient_quota`` until the period ends.
 
 The counters live in a ``state.budgets.BudgetBackend``: Redis when replicas share one
-(``gateway.redis_url``), else SQLite in ``gateway.state_dir`` (durable, and shared by the replicas
+(``gateway.state.redis_url``), else SQLite in ``gateway.state.dir`` (durable, and shared by the replicas
 of one host), else memory; ``state.open_state`` picks it.
 """
 

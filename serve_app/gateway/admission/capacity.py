@@ -9,7 +9,7 @@ autoscaled model running one replica sheds batch at the right point and grows it
 scales up. A model with no running replica (starting, being replaced, its node lost) is bounded as
 if one ran, and a candidate with a running replica goes first: the request then waits in Ray
 Serve's queue (which also asks the autoscaler for a replica), and the forwarder's outage guard
-(``outage.py``) answers 503 once it has waited ``gateway.unavailable_hold_s`` for a model still
+(``outage.py``) answers 503 once it has waited ``gateway.http.unavailable_hold_s`` for a model still
 down: the one hold. The gateway enforces the capacity
 itself: Ray Serve's ``max_queued_requests`` is counted per caller and only for requests waiting to
 be routed, so a burst can pass it. The slot is taken in the same step as the check, with no
@@ -98,7 +98,7 @@ class Capacity:
                  waiting: int = 0) -> errors.ServiceUnavailable | None:
         # Each gateway replica sees its share of the traffic; scale its count to the whole.
         load = (self.inflight[model_id] + waiting) * self.cfg.gateway.num_replicas
-        retry = self.cfg.gateway.retry_after_s
+        retry = self.cfg.gateway.http.retry_after_s
         capacity, saturation = self.bounds(model_id)
         if capacity is not None and load >= capacity:
             return errors.ServiceUnavailable(

@@ -1,4 +1,4 @@
-"""Graceful stop: in-flight streams finish within ``gateway.drain_timeout_s``, or end with an error
+"""Graceful stop: in-flight streams finish within ``gateway.http.drain_timeout_s``, or end with an error
 event and ``[DONE]``; none just stops.
 
 When the app is deleted (Ctrl-C of ``serve-app run``, ``serve shutdown``, ``serve delete``), Ray
@@ -12,8 +12,9 @@ that was seen:
 - streams keep going until ``timeout_s`` has passed; those still running then are cancelled at the
   model and end with an error event (``stopped`` tells the relay so).
 
-The gateway's ``graceful_shutdown_timeout_s`` is ``drain_timeout_s`` plus a margin (app.py) that
-covers the status's refresh period, so Ray Serve never kills a replica before its drain ends.
+The gateway's ``graceful_shutdown_timeout_s`` is ``gateway.http.drain_timeout_s`` plus a margin
+(app.py) that covers the status's refresh period, so Ray Serve never kills a replica before its
+drain ends.
 """
 
 from __future__ import annotations

@@ -369,7 +369,7 @@ class Flow:
             if waiting >= self._models[model_id].flow.max_waiting:
                 return errors.ServiceUnavailable(
                     f"model {model_id!r} has {waiting} requests waiting at the gateway. "
-                    "Retry shortly.", retry_after_s=self.cfg.gateway.retry_after_s)
+                    "Retry shortly.", retry_after_s=self.cfg.gateway.http.retry_after_s)
         return refusal
 
     def reserve(self, model_ids: Sequence[str], tier_name: str, tier: TierConfig, tenant: str,
@@ -401,7 +401,7 @@ class Flow:
         if not self._free(model_id, tier.priority):
             raise errors.ServiceUnavailable(
                 f"model {model_id!r} has requests waiting at the gateway. Retry shortly.",
-                retry_after_s=self.cfg.gateway.retry_after_s)
+                retry_after_s=self.cfg.gateway.http.retry_after_s)
         self.capacity.inflight[model_id] += 1
 
     def release(self, model_id: str) -> None:
@@ -491,7 +491,7 @@ class Flow:
             raise errors.ServiceUnavailable(
                 f"model {w.model_id!r} is busy: the request waited {w.wait_s:g} s at the gateway "
                 f"(tier {w.tier!r}'s bound). Retry shortly.",
-                retry_after_s=self.cfg.gateway.retry_after_s)
+                retry_after_s=self.cfg.gateway.http.retry_after_s)
 
     def withdraw(self, w: Waiter) -> None:
         """``w``'s request leaves: out of its queue, or its slot given back if it had one."""

@@ -68,9 +68,9 @@ async def authenticate(request: Request, d: GatewayDeps = Depends(get_deps)) -> 
 
 
 async def read_json(request: Request, d: GatewayDeps) -> tuple[dict[str, Any], int]:
-    """The JSON object body and its size in bytes (read under ``gateway.max_body_bytes``)."""
+    """The JSON object body and its size in bytes (read under ``gateway.http.max_body_bytes``)."""
     require_json(request)
-    raw = await read_capped(request, d.cfg.gateway.max_body_bytes)
+    raw = await read_capped(request, d.cfg.gateway.http.max_body_bytes)
     body = parse_body(raw)
     check_fields(body)
     return body, len(raw)
