@@ -5,7 +5,11 @@ fails when it is stale (a test runs it). The manifest holds:
 
 - a ``RayService`` whose ``serveConfigV2`` is the Serve config file itself (parsed and dumped, so it
   is the same document ``serve deploy`` reads), with the keys Secret mounted read-only where
-  ``gateway.keys.file`` points and a model cache volume at ``cache_dir`` on every pod;
+  ``gateway.keys.file`` points, a model cache volume at ``cache_dir`` and a state volume (shared by
+  every pod: the batch files, the audit trail, SQLite) holding ``gateway.state.dir`` and the batch
+  files folder, on every pod. The Secret is read-only: nothing may be written beside the keys
+  file (the batch folder's default is there, so the config must name ``gateway.batch.files_dir``);
+  ``writable_paths`` lists what the gateway writes, and a test checks each is on a writable mount;
 - the Redis that the gateway replicas share their limit counters through (``gateway.state.redis_url``).
 
 HAProxy's stats and metrics listeners (Ray Serve's throughput mode) are not exposed: no container
@@ -22,8 +26,9 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from serve_app.config import load_app_config
+from serve_app.config import AppConfig, load_app_config
 from serve_app.local.front_door import GRPC_ENV
+from serve_app.state.files import files_root
 
 DEFAULT_CONFIG = "configs/prod.yaml"
 DEFAULT_OUT = "deploy/kuberay/rayservice.yaml"
@@ -31,6 +36,8 @@ RAY_VERSION = "2.60.0"
 IMAGE = "serve-app:0.1.0"  # built from this repo with `pip install -e '.[gpu]'` on rayproject/ray
 KEYS_SECRET = "serve-app-keys"
 CACHE_CLAIM = "serve-app-model-cache"
+STATE_CLAIM = "serve-app-state"  # ReadWriteMany: the gateway replicas of every pod share it
+STATE_MOUNT = "/var/lib/serve-app"
 # Ray Serve's documented throughput mode, and the middleware that bounds X-Request-Id.
 SERVE_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
@@ -54,6 +61,7 @@ def _container(name: str, resources: dict[str, Any], ports: list[dict[str, Any]]
         "volumeMounts": [
             {"name": "keys", "mountPath": keys_dir, "readOnly": True},
             {"name": "model-cache", "mountPath": cache_dir},
+            {"name": "state", "mountPath": STATE_MOUNT},
         ],
     }
 
@@ -62,7 +70,18 @@ def _volumes() -> list[dict[str, Any]]:
     return [
         {"name": "keys", "secret": {"secretName": KEYS_SECRET, "defaultMode": 0o440}},  # r--r-----
         {"name": "model-cache", "persistentVolumeClaim": {"claimName": CACHE_CLAIM}},
+        {"name": "state", "persistentVolumeClaim": {"claimName": STATE_CLAIM}},
     ]
+
+
+def writable_paths(cfg: AppConfig) -> list[str]:
+    """Every folder the app writes on a pod: the model cache, the state folder (audit trail,
+    SQLite) and the Batch API's files (``state.files.files_root``: beside the keys file unless
+    ``gateway.batch.files_dir`` names one)."""
+    paths = [cfg.cache_dir, str(files_root(cfg))]
+    if cfg.gateway.state.dir:
+        paths.append(cfg.gateway.state.dir)
+    return paths
 
 
 def _redis(host: str, port: int) -> list[dict[str, Any]]:
@@ -167,7 +186,7 @@ _Dumper.add_representer(str, _str)
 def render(config_path: Path) -> str:
     header = (f"# Generated from {config_path} by `python -m serve_app.ops.kuberay`; do not edit.\n"
               f"# Before applying: create the Secret `{KEYS_SECRET}` (key keys.yaml) and the "
-              f"PersistentVolumeClaim `{CACHE_CLAIM}`.\n")
+              f"PersistentVolumeClaims `{CACHE_CLAIM}` and `{STATE_CLAIM}` (ReadWriteMany).\n")
     return header + yaml.dump_all(manifest(config_path), Dumper=_Dumper, sort_keys=False)
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
 import yaml
 
 from serve_app.config import AppConfig, load_app_config
+from serve_app.ops import kuberay
 from serve_app.ops.kuberay import main, manifest, render
 from tests.keys import create_key, file_store, run
 
@@ -122,3 +123,22 @@ def test_key_hot_reload_survives_a_secret_volume_update(tmp_path: Path) -> None:
     found = store.lookup(new)
     assert found is not None and found.id == "team-b"
     assert store.lookup(old) is not None  # the rest of the file still holds
+
+
+def test_every_path_the_app_writes_is_on_a_writable_mount_of_every_pod() -> None:
+    """Issue 36: the batch folder defaulted to beside the keys file, on the read-only Secret mount
+    (EROFS at start), and without a state dir the audit trail was never written."""
+    cfg = load_app_config(ROOT / "configs/prod.yaml")
+    docs = kuberay.manifest(ROOT / "configs/prod.yaml")
+    groups = [docs[0]["spec"]["rayClusterConfig"]["headGroupSpec"],
+              *docs[0]["spec"]["rayClusterConfig"]["workerGroupSpecs"]]
+    paths = kuberay.writable_paths(cfg)
+    assert cfg.gateway.state.dir in paths  # the audit trail and SQLite have a home
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:
+            mounts = container["volumeMounts"]
+            for path in paths:
+                under = [m for m in mounts if PurePosixPath(path).is_relative_to(m["mountPath"])]
+                assert under, f"{path} is on no volume of {container['name']}"
+                deepest = max(under, key=lambda m: len(m["mountPath"]))
+                assert not deepest.get("readOnly"), f"{path} is on read-only {deepest['name']}"
