@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from serve_app.state.files import write_atomic
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -53,15 +54,6 @@ def valid_batch_id(batch_id: str) -> bool:
     return 0 < len(batch_id) <= 64 and all(c.isalnum() or c in "_-" for c in batch_id)
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class FileBatchStore:
     """Batches as JSON files under ``<root>/batches``; leases under an ``flock``, so replicas on
     one machine never both hold one. The embedded default's store without Redis."""
@@ -76,7 +68,7 @@ class FileBatchStore:
 
     async def save(self, batch_id: str, owner: str, created_at: int, done: bool,
                    doc: str) -> None:
-        await asyncio.to_thread(_atomic_text, self._path(batch_id, ".json"), doc)
+        await asyncio.to_thread(write_atomic, self._path(batch_id, ".json"), doc.encode())
 
     async def load(self, batch_id: str) -> bytes | None:
         if not valid_batch_id(batch_id):
@@ -142,7 +134,7 @@ class FileBatchStore:
             now = time.time()
             if lease is not None and lease["holder"] != holder and lease["until"] > now:
                 return False
-            _atomic_text(path, json.dumps({"holder": holder, "until": now + lease_s}))
+            write_atomic(path, json.dumps({"holder": holder, "until": now + lease_s}).encode())
             return True
 
     async def release(self, batch_id: str, holder: str) -> None:

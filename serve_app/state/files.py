@@ -45,7 +45,7 @@ def valid_id(file_id: str) -> bool:
     return 0 < len(file_id) <= 64 and set(file_id) <= _ID_CHARS
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     """Write ``path`` whole or not at all, readable by this user only (0600, as the keys file):
     uploads are tenants' data."""
     tmp = path.with_name(path.name + f".{secrets.token_hex(4)}.tmp")
@@ -74,7 +74,7 @@ class FileStore:
     def create(self, owner: str, filename: str, purpose: str, data: bytes) -> dict[str, Any]:
         """Store an upload and return its file object."""
         file_id = new_id("file")
-        _write_atomic(self.data_path(file_id), data)
+        write_atomic(self.data_path(file_id), data)
         return self.register(file_id, owner, filename, purpose)
 
     def register(self, file_id: str, owner: str, filename: str, purpose: str) -> dict[str, Any]:
@@ -90,7 +90,7 @@ class FileStore:
             "expires_at": None,
             "status_details": None,
         }
-        _write_atomic(self._meta_path(file_id), json.dumps({**obj, "owner": owner}).encode())
+        write_atomic(self._meta_path(file_id), json.dumps({**obj, "owner": owner}).encode())
         return obj
 
     def _load(self, file_id: str) -> dict[str, Any] | None:

@@ -155,6 +155,24 @@ class _Memory:
             self._by_digest = {k.digest: k for k in records if not k.revoked}
 
 
+class _Remembered:
+    """What every key store answers from its memory (``_Memory``): the request path's lookups,
+    and the refresh that brings the memory up to date."""
+
+    _memory: _Memory
+
+    def lookup(self, secret: str) -> KeyRecord | None:
+        return self._memory.lookup(secret)
+
+    def by_id(self, key_id: str) -> KeyRecord | None:
+        """The active (unrevoked) key with this id: work done later on a key's behalf (a batch's
+        lines) is charged to it only while it stays active."""
+        return self._memory.by_id(key_id)
+
+    async def refresh(self, force: bool = False) -> None:
+        await self._memory.refresh(force)
+
+
 async def keep_fresh(store: KeyStore) -> None:
     """Refresh ``store`` every ``store.interval_s`` until cancelled: a replica's background task."""
     while True:
@@ -189,7 +207,7 @@ def write_keys_file(path: Path, keys: KeysFile) -> None:
     os.replace(tmp, path)
 
 
-class FileKeyStore:
+class FileKeyStore(_Remembered):
     """Keys in the YAML keys file; re-read when the file's stamp changes, so that gateways on one
     host (or a mounted Secret that the kubelet swaps) share it. ``clock`` is injected so that a
     test can step past the interval instead of sleeping it out."""
@@ -205,17 +223,6 @@ class FileKeyStore:
     @property
     def location(self) -> str:
         return str(self.path)
-
-    def lookup(self, secret: str) -> KeyRecord | None:
-        return self._memory.lookup(secret)
-
-    def by_id(self, key_id: str) -> KeyRecord | None:
-        """The active (unrevoked) key with this id: work done later on a key's behalf (a batch's
-        lines) is charged to it only while it stays active."""
-        return self._memory.by_id(key_id)
-
-    async def refresh(self, force: bool = False) -> None:
-        await self._memory.refresh(force)
 
     def _stamp_sync(self) -> tuple[int, int, int] | None:
         try:
@@ -310,7 +317,7 @@ def _doc(record: KeyRecord) -> str:
     return record.model_dump_json(exclude_none=True)
 
 
-class SqliteKeyStore:
+class SqliteKeyStore(_Remembered):
     """Keys in a SQLite file (tables ``keys`` and ``meta``, whose ``version`` each write bumps):
     durable, and shared by the gateway replicas of a host. Every statement runs in the file's
     thread (``SqliteFile.run``/``write``)."""
@@ -333,16 +340,6 @@ class SqliteKeyStore:
             db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER)")
             db.execute("INSERT OR IGNORE INTO meta VALUES ('version', 0)")
             self._ready = True
-
-    def lookup(self, secret: str) -> KeyRecord | None:
-        return self._memory.lookup(secret)
-
-    def by_id(self, key_id: str) -> KeyRecord | None:
-        """The active key with this id (a batch's lines are charged to it while it stays so)."""
-        return self._memory.by_id(key_id)
-
-    async def refresh(self, force: bool = False) -> None:
-        await self._memory.refresh(force)
 
     async def _version(self) -> int:
         def version(db: sqlite3.Connection) -> int:
@@ -395,7 +392,7 @@ class SqliteKeyStore:
         return record
 
 
-class RedisKeyStore:
+class RedisKeyStore(_Remembered):
     """Keys in one Redis hash (id -> record JSON) and a version counter: every gateway replica of
     a cluster sees a change within ``POLL_S``. Only the poll (one GET) and admin writes reach
     Redis, through the state's one async client."""
@@ -411,16 +408,6 @@ class RedisKeyStore:
     @property
     def location(self) -> str:
         return f"redis hash {self._hash}"
-
-    def lookup(self, secret: str) -> KeyRecord | None:
-        return self._memory.lookup(secret)
-
-    def by_id(self, key_id: str) -> KeyRecord | None:
-        """The active key with this id (a batch's lines are charged to it while it stays so)."""
-        return self._memory.by_id(key_id)
-
-    async def refresh(self, force: bool = False) -> None:
-        await self._memory.refresh(force)
 
     async def _version(self) -> Any:
         return await self._redis.get(self._ver)

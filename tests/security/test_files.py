@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import stat
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +13,9 @@ import openai
 import pytest
 
 from serve_app.gateway.keys.ops import KeyOps
-from serve_app.local import front_door
 from tests.keys import run
 from tests.unit.test_admin_api import Admin
-from tests.unit.test_front_door import RAY_TEMPLATE_LIKE, _free_port
+from tests.unit.test_front_door import start_haproxy
 
 LINE = (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
         b'"body": {"model": "tiny", "messages": []}}')
@@ -64,17 +62,7 @@ def test_uploads_are_private_to_the_gateways_user(env: Admin) -> None:
 def test_the_front_door_lets_delete_through_to_a_file_only(tmp_path: Path) -> None:
     """The real HAProxy with the project's rules; the backend answers 200 from HAProxy itself."""
     echo = "http-request return status 200 content-type text/plain string reached"
-    port = _free_port()
-    cfg = tmp_path / "haproxy.cfg"
-    cfg.write_text(RAY_TEMPLATE_LIKE.format(d=tmp_path)
-                   .replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-                   .replace("server s1 127.0.0.1:8001", echo)
-                   .replace("*:8404", f"*:{_free_port()}"))
-    (tmp_path / "500.http").write_text("HTTP/1.1 500 x\r\nContent-Length: 0\r\n\r\n")
-    env = front_door.haproxy_env(tmp_path / "run", "127.0.0.1", front_door.haproxy_binary())
-    proc = subprocess.Popen([env["RAY_SERVE_HAPROXY_BINARY_PATH"], "-db", "-f", str(cfg)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    port, proc = start_haproxy(tmp_path, echo)
     statuses = {}
     try:
         for method, path in [("DELETE", "/v1/files/file-abc"), ("DELETE", "/v1/models"),

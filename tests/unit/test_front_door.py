@@ -157,21 +157,28 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_haproxy_stamps_each_request_on_arrival_and_drops_the_clients_stamp(tmp_path: Path) -> None:
-    # The backend answers from HAProxy itself with what it received: how many stamps, and the stamp.
-    echo = ('http-request return status 200 content-type text/plain '
-            'lf-string "%[req.hdr_cnt(X-Request-Start)] %[req.hdr(X-Request-Start)]"')
+def start_haproxy(tmp_path: Path, backend: str) -> tuple[int, subprocess.Popen[bytes]]:
+    """The real HAProxy, through the wrapper ``serve-app run`` uses (so with the project's rules),
+    on a Ray-like config whose backend is the HAProxy line ``backend``; its port and process."""
     port = _free_port()
     cfg = tmp_path / "haproxy.cfg"
     cfg.write_text(RAY_TEMPLATE_LIKE.format(d=tmp_path)
                    .replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-                   .replace("server s1 127.0.0.1:8001", echo)
+                   .replace("server s1 127.0.0.1:8001", backend)
                    .replace("*:8404", f"*:{_free_port()}"))
     (tmp_path / "500.http").write_text("HTTP/1.1 500 x\r\nContent-Length: 0\r\n\r\n")
     env = front_door.haproxy_env(tmp_path / "run", "127.0.0.1", front_door.haproxy_binary())
     proc = subprocess.Popen([env["RAY_SERVE_HAPROXY_BINARY_PATH"], "-db", "-f", str(cfg)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
+    return port, proc
+
+
+def test_haproxy_stamps_each_request_on_arrival_and_drops_the_clients_stamp(tmp_path: Path) -> None:
+    # The backend answers from HAProxy itself with what it received: how many stamps, and the stamp.
+    echo = ('http-request return status 200 content-type text/plain '
+            'lf-string "%[req.hdr_cnt(X-Request-Start)] %[req.hdr(X-Request-Start)]"')
+    port, proc = start_haproxy(tmp_path, echo)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     answers = []
     try:
