@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -60,3 +61,33 @@ def test_files_are_bounded_per_owner(env: Admin) -> None:
     a.files.delete(made[0].id)
     a.files.create(file=("in.jsonl", LINE), purpose="batch")  # room again
     _sdk(env, "b").files.create(file=("in.jsonl", LINE), purpose="batch")  # another owner's own
+
+
+def test_the_file_batch_store_never_scans_its_folder_on_the_event_loop(tmp_path: Path) -> None:
+    """Issue 36: without redis-server, the runner's poll rescanned every batch document on the
+    event loop every 2 s; the scans (active, owned, recent) run in a worker thread."""
+    import asyncio
+    import threading
+
+    from serve_app.state.batches import FileBatchStore
+
+    store = FileBatchStore(tmp_path)
+    scanned_on: list[int] = []
+    scan = store._all
+
+    def spy() -> Any:
+        scanned_on.append(threading.get_ident())
+        return scan()
+
+    store._all = spy  # type: ignore[method-assign]
+
+    async def go() -> int:
+        for i in range(50):
+            await store.save(f"batch-{i:04d}", "key:a", i, False,
+                             f'{{"id": "batch-{i:04d}", "owner": "key:a", "created_at": {i}}}')
+        assert len(await store.active()) == 50
+        assert len(await store.owned("key:a")) == 50 and len(await store.recent(5)) == 5
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(go())
+    assert len(scanned_on) == 3 and loop_thread not in scanned_on
