@@ -102,6 +102,7 @@ class KeyStore(Protocol):
     def lookup(self, secret: str) -> KeyRecord | None: ...
     def by_id(self, key_id: str) -> KeyRecord | None: ...
     async def refresh(self, force: bool = False) -> None: ...
+    async def check_now(self) -> None: ...
     async def records(self) -> tuple[KeyRecord, ...]: ...
     async def write(self, record: KeyRecord, *, new: bool) -> None: ...
     async def change(self, key_id: str, fn: Change) -> KeyRecord: ...
@@ -123,6 +124,7 @@ class _Memory:
         self._checked = float("-inf")
         # Refreshes may overlap (the poll and a write's): the one started last wins.
         self._started = self._applied = 0
+        self._check: asyncio.Future[None] | None = None  # the version check of unknown secrets
 
     def lookup(self, secret: str) -> KeyRecord | None:
         d = digest(secret)
@@ -134,9 +136,20 @@ class _Memory:
     def by_id(self, key_id: str) -> KeyRecord | None:
         return next((k for k in self._by_digest.values() if k.id == key_id), None)
 
+    async def check_now(self) -> None:
+        """Read the version now, whatever the interval (a secret the memory does not know: a key
+        created a moment ago elsewhere must not be refused until the next poll). Concurrent
+        callers share one check, so a flood of unknown secrets costs one read at a time."""
+        if self._check is None or self._check.done():
+            self._check = asyncio.ensure_future(self._refresh(False))
+        await asyncio.shield(self._check)
+
     async def refresh(self, force: bool = False) -> None:
         if not force and self._clock() - self._checked < self.interval_s:
             return
+        await self._refresh(force)
+
+    async def _refresh(self, force: bool) -> None:
         self._checked = self._clock()
         self._started += 1
         ticket = self._started
@@ -171,6 +184,9 @@ class _Remembered:
 
     async def refresh(self, force: bool = False) -> None:
         await self._memory.refresh(force)
+
+    async def check_now(self) -> None:
+        await self._memory.check_now()
 
 
 async def keep_fresh(store: KeyStore) -> None:

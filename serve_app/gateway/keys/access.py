@@ -28,16 +28,16 @@ async def identify(request: Request, keys: KeyStore, audit: Audit | None,
                    clock: Callable[[], float] = time.time) -> KeyRecord:
     """The request's active, unexpired key, or 401 (audited as ``auth_failed``).
 
-    Keys answer from memory. An unknown secret first brings the memory up to date (at most every
-    ``keys.interval_s``, one cheap version read), so a key created a moment ago on another replica
-    or by ``serve-app keys`` is not refused while the background poll lags behind."""
+    Keys answer from memory. An unknown secret first checks the store's version (one cheap read,
+    shared by concurrent unknown secrets), so a key created a moment ago on another replica or by
+    ``serve-app keys`` is not refused while the background poll lags behind."""
     token = request_key(request.headers)
     reason = "missing"
     key = None
     if token is not None:
         key = keys.lookup(token)
         if key is None:
-            await keys.refresh()
+            await keys.check_now()
             key = keys.lookup(token)
         reason = "unknown" if key is None else "expired"
     if key is not None and not key.expired(clock()):
