@@ -25,7 +25,7 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 from serve_app import errors
@@ -366,10 +366,6 @@ class Answer:
     body: bytes | None = None
     events: AsyncIterator[bytes] | None = None
     finish: Callable[[], Awaitable[None]] | None = None
-    stream: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.stream = self.events is not None
 
     async def read(self) -> bytes:
         """The whole answer's bytes (a stream's events joined), its request ended."""

@@ -19,6 +19,7 @@ from serve_app import errors
 from serve_app.batch.batches import COMPLETION_WINDOWS, Batch, BatchStore, check_create
 from serve_app.bodies import parse_body
 from serve_app.config import AppConfig, KeyRecord
+from serve_app.gateway.http.read import read_capped, require_json
 from serve_app.state.files import PURPOSES, FileStore, new_id
 
 Authenticate = Callable[..., Any]
@@ -144,16 +145,8 @@ async def _form(request: Request, limit: int) -> tuple[bytes, str, str]:
 
 
 async def _json(request: Request, limit: int) -> dict[str, Any]:
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype != "application/json":
-        raise errors.UnsupportedMediaType(
-            f"Content-Type must be application/json, not {ctype[:64] or 'missing'!r}")
-    raw = bytearray()
-    async for part in request.stream():
-        raw += part
-        if len(raw) > limit:
-            raise errors.PayloadTooLarge(f"request body is over the limit of {limit} bytes")
-    return parse_body(bytes(raw))
+    require_json(request)
+    return parse_body(await read_capped(request, limit))
 
 
 def batch_router(authenticate: Authenticate) -> APIRouter:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -62,10 +61,10 @@ class ModelService:
             server = EngineServer(cfg, path, top_priority)
         try:
             await asyncio.wait_for(server.start(), cfg.startup_timeout_s)
-        except BaseException:
+        except BaseException as exc:
             watch.cancel()
             server.shutdown()
-            if not isinstance(sys.exc_info()[1], TimeoutError):
+            if not isinstance(exc, TimeoutError):
                 raise
             raise RuntimeError(
                 f"engine for {cfg.id!r} did not start within {cfg.startup_timeout_s:.0f} s"

@@ -64,8 +64,7 @@ class Audit:
         return False
 
     def _time(self) -> str:
-        t = datetime.now(UTC) if self._clock is None else datetime.fromtimestamp(self._clock(), UTC)
-        return t.isoformat(timespec="milliseconds")
+        return datetime.fromtimestamp(self._now(), UTC).isoformat(timespec="milliseconds")
 
     def record(self, action: str, *, actor: str | None, target: str | None, result: str,
                **detail: Any) -> None:
