@@ -10,15 +10,12 @@ from typing import Any, cast
 
 from pydantic import ValidationError
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Deployment
 
 from serve_app.config import AppConfig, ModelConfig, format_validation_error
 from serve_app.engine.autoscale import autoscaling_options, top_tier_objective_s
 from serve_app.engine.deployment import ModelServer
-from serve_app.engine.local import start as start_local_model
 from serve_app.engine.placement import actor_options, placement_bundles, placement_strategy
-from serve_app.engine.router import ROUTER_PATH
 from serve_app.gateway.deployment import Gateway
 
 GATEWAY_DEPLOYMENT = "gateway"
@@ -51,8 +48,6 @@ def model_deployment_options(m: ModelConfig, objective_s: float | None = None) -
         "placement_group_bundles": placement_bundles(m),
         "placement_group_strategy": placement_strategy(m),
     }
-    if m.affinity_routing:
-        opts["request_router_config"] = request_router_config(m)
     if d.autoscaling_config is not None:
         opts["autoscaling_config"] = autoscaling_options(d.autoscaling_config, objective_s)
     else:
@@ -60,35 +55,19 @@ def model_deployment_options(m: ModelConfig, objective_s: float | None = None) -
     return opts
 
 
-def request_router_config(m: ModelConfig) -> RequestRouterConfig:
-    """The affinity router (engine/router.py) with the model's ``routing`` settings."""
-    # Passed as a dict: RequestRouterConfig.__init__ is typed `**kwargs: dict` in Ray 2.60.
-    kwargs: dict[str, Any] = {
-        "request_router_class": ROUTER_PATH,
-        "request_router_kwargs": {"load_factor": m.routing.load_factor,
-                                  "max_keys": m.routing.max_keys},
-    }
-    return RequestRouterConfig(**kwargs)
-
-
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
     cfg = parse_args(args)
     # @serve.deployment turns the classes into Deployments; mypy still sees the classes.
     model_server = cast(Deployment, ModelServer)
     gateway = cast(Deployment, Gateway)
-    served = cfg.served_model
     handles = {
         m.id: model_server.options(**model_deployment_options(m, top_tier_objective_s(cfg))).bind(
             m.model_dump(mode="json"), cfg.cache_dir, cfg.top_priority
         )
-        for m in cfg.models if m is not served
+        for m in cfg.models
     }
     # One `created` for the model cards of every gateway replica: when this app was built.
     created = int(time.time())
-    if served is not None:
-        # The in-gateway path: the gateway replicas are the model's, placed like its replicas.
-        return gateway.options(**{**gateway_options(cfg), **served_model_options(served)}).bind(
-            cfg.model_dump(mode="json"), handles, created, start_local_model)
     return gateway.options(**gateway_options(cfg)).bind(cfg.model_dump(mode="json"), handles, created)
 
 
@@ -104,17 +83,4 @@ def gateway_options(cfg: AppConfig) -> dict[str, Any]:
         "max_surge_percent": g.max_surge_percent,
         "ray_actor_options": {"num_cpus": g.num_cpus,
                               **({"resources": dict(g.resources)} if g.resources else {})},
-    }
-
-
-def served_model_options(m: ModelConfig) -> dict[str, Any]:
-    """What a gateway that runs model ``m``'s engine takes from the model: its actor's resources
-    and environment, its placement group, and its health checks (which then check the engine)."""
-    d = m.deployment
-    return {
-        "ray_actor_options": actor_options(m),
-        "placement_group_bundles": placement_bundles(m),
-        "placement_group_strategy": placement_strategy(m),
-        "health_check_period_s": d.health_check_period_s,
-        "health_check_timeout_s": d.health_check_timeout_s,
     }

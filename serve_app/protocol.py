@@ -1,11 +1,11 @@
-"""What the gateway and a model replica agree on: the endpoint table and what crosses a handle.
+"""What the gateway and a model replica agree on: the endpoint table and what crosses between them.
 
 ``ENDPOINTS`` is the one table of the model endpoints. The gateway's routes are made from it and
 the model replica dispatches with it, so adding an endpoint is one row here (plus its route when it
 needs more than the generic one).
 
-Only plain data crosses a deployment handle: a JSON-serialisable ``RequestContext`` goes down with
-the parsed body, and the model answers with a stream of
+Only plain data crosses (``serve_app.wire`` frames it): a JSON-serialisable ``RequestContext`` goes
+down with the parsed body, and the model answers with a stream of
 
 1. a ``Head`` (status, whether a stream follows, the first bytes; for a complete answer its tokens),
 2. for a complete answer larger than ``PART_BYTES``, ``Head.parts`` more ``bytes`` items: the rest
@@ -211,8 +211,8 @@ class RequestContext:
     tenant: str = ""  # keys of one tenant share vLLM's prefix cache; others cannot probe it
     arrival: float = 0.0  # epoch seconds the front door received the request (gateway/timing.py)
     traceparent: str = ""  # W3C trace context: the gateway's span is the replica's parent
-    # Tenant plus session (or leading prompt) digest: the model's router keeps it on one replica
-    # (gateway/affinity.py, engine/router.py); "" lets Ray Serve's router choose.
+    # Tenant plus session (or leading prompt) digest: the gateway keeps it on one replica
+    # (gateway/routing/affinity.py, gateway/routing/placement.py); "" lets load alone choose.
     affinity: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -339,10 +339,8 @@ class ModelCall(Protocol):
 
 
 class ModelClient(Protocol):
-    """How the gateway calls one model. Two implementations: over the model deployment's Serve
-    handle (``gateway.forward.HandleClient``, the deployment path: autoscaling, the affinity
-    router, several gateway replicas) and in the gateway's own process
-    (``engine.local.InProcessClient``, ``gateway.serve_model``). ``call`` sends one request of
+    """How the gateway calls one model (``gateway.routing.direct.DirectClient``: straight to the
+    endpoint of the replica it picks; tests give stand-ins). ``call`` sends one request of
     ``ENDPOINTS[endpoint]`` with the gateway's ``RequestContext.to_dict()`` and returns at once;
     ``transport`` names how the last call travels (``serve-app diagnose`` shows it)."""
 

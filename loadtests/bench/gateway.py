@@ -53,9 +53,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window-s", type=float, default=10.0, help="measured seconds per step")
     p.add_argument("--max-added-ms", type=float, default=5.0, help="added TTFT p50 budget")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--path", choices=("deployment", "in-gateway"), default="deployment",
-                   help="the token path: the synthetic model as its own deployment, or in the "
-                        "gateway replicas (gateway.serve_model)")
     p.add_argument("--results-dir", default=str(ROOT / "results" / "bench"))
     ns = p.parse_args(argv)
     ns.replica_counts = [int(x) for x in ns.replicas.split(",") if x.strip()]
@@ -63,25 +60,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ns
 
 
-def synthetic_edit(replicas: int, tokens_per_s: float, ttft_ms: float,
-                   path: str = "deployment") -> harness.EditArgs:
+def synthetic_edit(replicas: int, tokens_per_s: float, ttft_ms: float) -> harness.EditArgs:
     """The stack's config: one synthetic model, R gateway replicas, one tier without limits (so
-    several replicas need no Redis). With ``path`` in-gateway the model runs in each gateway replica
-    (``gateway.serve_model``: R replicas of it), so the gateway cores are the whole front end."""
-    in_gateway = path == "in-gateway"
+    several replicas need no Redis)."""
 
     def edit(args: dict[str, Any]) -> None:
         args["models"] = [{
             "id": MODEL, "source": "synthetic",
             "synthetic": {"tokens_per_s": tokens_per_s, "ttft_ms": ttft_ms},
-            "deployment": {"num_replicas": replicas if in_gateway else 1, "max_ongoing_requests": 4096},
+            "deployment": {"num_replicas": 1, "max_ongoing_requests": 4096},
             "accelerator": {"kind": "cpu", "cpus_per_worker": 0.5},
         }]
         args["tiers"] = {TIER: {"priority": 0, "description": "gateway benchmark: no limits"}}
         args["default_tier"] = TIER
         args["routes"] = []
         args["gateway"] = {**(args.get("gateway") or {}), "num_replicas": replicas,
-                           "max_ongoing_requests": 4096, "serve_model": MODEL if in_gateway else None}
+                           "max_ongoing_requests": 4096}
     return edit
 
 
@@ -193,7 +187,7 @@ def markdown(results: dict[int, list[dict[str, Any]]], ns: argparse.Namespace, c
         f"Command: `{command}`", "",
         f"SYNTHETIC upstream: {ns.tokens_per_s:.0f} tokens/s per stream, TTFT {ns.ttft_ms:.0f} ms, "
         f"{ns.output_len} tokens per stream, 50 ms stream interval; Poisson arrivals; "
-        f"{ns.window_s:.0f} s window per step; token path: {ns.path}.", "",
+        f"{ns.window_s:.0f} s window per step;.", "",
         "| Gateway replicas | Streams | Tok/s relayed | Added TTFT p50 ms | p99 ms | Gateway cores "
         "| Tok/s per gateway core | Streams per gateway core | Failed |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -224,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tempfile.mkdtemp(prefix="serve-app-gwbench-"))
         procs.say(f"{r} gateway replica(s): starting the stack with a SYNTHETIC upstream")
         stack = harness.start_stack(config, workdir, keys={"bench": (TIER, [MODEL])},
-                                    edit=synthetic_edit(r, ns.tokens_per_s, ns.ttft_ms, ns.path), retries=1,
+                                    edit=synthetic_edit(r, ns.tokens_per_s, ns.ttft_ms), retries=1,
                                     say=procs.say)
         try:
             url = f"{stack.base_url}/chat/completions"

@@ -69,10 +69,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=sorted(ENDPOINTS), default="openai-chat",
                    help="vLLM bench backend: streaming chat or text completions")
-    p.add_argument("--path", choices=PATHS, default="deployment",
-                   help="the stack's token path: deployment (each model its own Ray Serve "
-                        "deployment behind the gateway) or in-gateway (gateway.serve_model: the "
-                        "model's engine in the gateway replica)")
     p.add_argument("--gateway-url", help="use this running stack (e.g. http://127.0.0.1:8000/v1)")
     p.add_argument("--api-key", help="key for --gateway-url")
     p.add_argument("--ray-address", help="GCS address of the stack's Ray cluster, for the RSS "
@@ -241,23 +237,9 @@ def engine_args(config: Path, model_id: str) -> dict[str, Any]:
     return dict(json.loads(done.stdout))
 
 
-PATHS = ("deployment", "in-gateway")
-
-
-def stack_edit(top_priority: int, path: str, model_id: str) -> harness.EditArgs:
-    """The benchmark's edits of the stack's config: its unlimited tier, and with ``path``
-    in-gateway, the model served in the gateway replica (``gateway.serve_model``, one replica)."""
-    tier = unlimited_tier(top_priority)
-
-    def edit(args: dict[str, Any]) -> None:
-        tier(args)
-        if path == "in-gateway":
-            args.setdefault("gateway", {}).update(serve_model=model_id, num_replicas=1)
-            for m in args["models"]:
-                if m["id"] == model_id:
-                    m.setdefault("deployment", {})["num_replicas"] = 1
-
-    return edit
+def stack_edit(top_priority: int) -> harness.EditArgs:
+    """The benchmark's one edit of the stack's config (otherwise as shipped): its unlimited tier."""
+    return unlimited_tier(top_priority)
 
 
 def replica_rss(root: int | None) -> dict[str, int]:
@@ -317,7 +299,7 @@ def start_servers(ns: argparse.Namespace, config: Path, cfg: Any, model: Any, wo
         say(f"starting the stack; its key 'bench' has tier {BENCH_TIER} (no rate limits)")
         # Waits for the stack and fails fast if direct vLLM exits meanwhile.
         stack = harness.start_stack(config, workdir / "stack", keys={"bench": (BENCH_TIER, [model.id])},
-                                    edit=stack_edit(cfg.top_priority, ns.path, model.id),
+                                    edit=stack_edit(cfg.top_priority),
                                     timeout_s=ns.startup_timeout,
                                     retries=1, watch=[direct], say=say)
         started.append(stack.proc)
@@ -536,7 +518,6 @@ def main(argv: list[str] | None = None) -> int:
             "output_len": ns.output_len, "seed": ns.seed, "smoke": ns.smoke,
             "num_prompts": {str(c): prompts_for(ns, c) for c in ns.concurrencies},
             "gateway": ("external " + sides["gateway"][0]) if ns.gateway_url else "started by the benchmark",
-            "path": ns.path,
             "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
             "wall_time_s": round(time.monotonic() - t_start, 1),
             "sides": list(ns.sides),
@@ -548,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         if replicas_rss:
             table += ("- peak RSS per replica process (VmHWM): " + ", ".join(
                 f"`{k}` {v / 2**20:.0f} MiB" for k, v in sorted(replicas_rss.items())) + "\n")
+        table += "\n" + report.repeats_markdown(runs)
         table += "\n" + report.fairness_markdown(runs, None if switch is None else switch.settle_s)
         if ns.peer_sides:
             table += peers_section(summary, ns, base, meta)

@@ -95,33 +95,6 @@ class AppConfig(_Strict):
             )
         return self
 
-    @model_validator(mode="after")
-    def _served_model_fits(self) -> AppConfig:
-        model_id = self.gateway.serve_model
-        if model_id is None:
-            return self
-        m = next((m for m in self.models if m.id == model_id), None)
-        if m is None:
-            raise ValueError(f"gateway.serve_model ({model_id!r}) is not one of the models "
-                             f"{sorted(x.id for x in self.models)}")
-        if m.deployment.autoscaling_config is not None:
-            raise ValueError(f"gateway.serve_model ({model_id!r}): the model served in the gateway "
-                             "needs a fixed deployment.num_replicas, not autoscaling_config")
-        if m.deployment.replicas != self.gateway.num_replicas:
-            raise ValueError(f"gateway.serve_model ({model_id!r}): the gateway replicas are the "
-                             f"model's, so deployment.num_replicas ({m.deployment.replicas}) must "
-                             f"equal gateway.num_replicas ({self.gateway.num_replicas})")
-        if m.routing.affinity == "on":
-            raise ValueError(f"gateway.serve_model ({model_id!r}): routing.affinity ('on') picks one "
-                             "of the model's deployment replicas, and a model served in the "
-                             "gateway has none; set it to 'auto' or 'off'")
-        return self
-
-    @property
-    def served_model(self) -> ModelConfig | None:
-        """The model whose engine runs in the gateway replicas (``gateway.serve_model``), if any."""
-        return self.model(self.gateway.serve_model) if self.gateway.serve_model else None
-
     @property
     def batch_tier(self) -> str:
         """The tier batch lines run at: ``gateway.batch.tier``, else 'batch' if configured, else

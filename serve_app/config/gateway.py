@@ -19,16 +19,6 @@ class GatewayConfig(_Strict):
     num_replicas: PositiveInt = 1
     max_ongoing_requests: PositiveInt = 1024
     num_cpus: float = Field(default=0.5, ge=0)
-    serve_model: str | None = Field(
-        default=None,
-        description="Run this model's engine inside each gateway replica (the in-gateway path): "
-        "its tokens go from the engine to the client in one process, with no Ray Serve hop and "
-        "no relay (docs/PERFORMANCE.md). The gateway replicas then take the model's placement "
-        "and are its replicas: the model needs a fixed deployment.num_replicas equal to "
-        "gateway.num_replicas, and routing.affinity is not used for it (the front door balances "
-        "over the gateway replicas). Other models are called through their deployments as "
-        "before. None: every model is its own deployment.",
-    )
     resources: dict[str, PositiveFloat] = Field(
         default_factory=dict,
         description="Custom Ray resources each gateway replica needs, to place it on given nodes.",

@@ -102,13 +102,14 @@ class FlowConfig(_Strict):
     )
 
 class RoutingConfig(_Strict):
-    """How the model's handle picks a replica (serve_app.engine.router)."""
+    """How the gateway picks one of the model's replicas (serve_app.gateway.routing.placement)."""
 
     affinity: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="Keep a tenant's session (or prompt prefix) on one replica, so its turns hit "
         "vLLM's prefix cache, under a load bound. auto: on for generate models with more than one "
-        "replica (max_replicas when autoscaling); off: Ray Serve's default (power of two choices).",
+        "replica (max_replicas when autoscaling); off: the less loaded of two replicas picked at random "
+        "(power of two choices, Ray Serve's default policy).",
     )
     load_factor: float = Field(
         default=1.25, ge=1.0, le=10.0,
@@ -218,7 +219,7 @@ class ModelConfig(_Strict):
 
     @property
     def affinity_routing(self) -> bool:
-        """Whether the model's handle uses the affinity router (``routing.affinity``)."""
+        """Whether the gateway keeps affinity keys on replicas for this model (``routing.affinity``)."""
         if self.routing.affinity != "auto":
             return self.routing.affinity == "on"
         return self.task == "generate" and self.deployment.most_replicas > 1

@@ -69,6 +69,9 @@ logger = logging.getLogger("ray.serve")
 TTFT_METRIC = "top_tier_ttft_p95_s"
 WAIT_METRIC = "top_tier_wait_p95_s"
 COUNT_METRIC = "top_tier_requests"
+# Requests in flight in the replica: they reach it through its own endpoint (engine.endpoint), so
+# Ray Serve's own count of ongoing requests does not see them.
+ONGOING_METRIC = "ongoing_requests"
 POLICY_PATH = f"{__name__}:ObjectivePolicy"
 RISING_SAMPLES = 3  # the wait "keeps rising" when this many reports in a row each rose
 
@@ -146,7 +149,7 @@ class Params:
     """The policy's settings: the objective in seconds, the fractions of it that trigger a change
     (``ObjectivePolicyConfig``) and the holds (``AutoscalingConfig``'s delays)."""
 
-    objective_s: float
+    objective_s: float | None  # None: scale on ongoing requests only (no objective_policy)
     up_at: float = 0.8
     wait_up_at: float = 0.5
     down_at: float = 0.5
@@ -208,11 +211,12 @@ def decide(p: Params, s: Signals, r: Replicas, target_ongoing: float | None,
     obj = p.objective_s
     load_need = math.ceil(s.ongoing / target_ongoing) if target_ongoing else 0
     hot: list[str] = []
-    if s.ttft_s is not None and s.ttft_s >= p.up_at * obj:
+    if obj is not None and s.ttft_s is not None and s.ttft_s >= p.up_at * obj:
         hot.append(f"TTFT p95 {s.ttft_s:.3f} s >= {p.up_at:g} x objective {obj:g} s")
-    if s.wait_s is not None and s.wait_s >= p.wait_up_at * obj:
+    if obj is not None and s.wait_s is not None and s.wait_s >= p.wait_up_at * obj:
         hot.append(f"wait p95 {s.wait_s:.3f} s >= {p.wait_up_at:g} x objective {obj:g} s")
-    elif s.wait_s is not None and s.wait_rising and s.wait_s >= p.wait_up_at * obj / 2:
+    elif (obj is not None and s.wait_s is not None and s.wait_rising
+          and s.wait_s >= p.wait_up_at * obj / 2):
         hot.append(f"wait p95 {s.wait_s:.3f} s rising")
     if load_need > target:
         hot.append(f"{s.ongoing:.1f} ongoing requests > {target_ongoing:g} per replica")
@@ -232,7 +236,7 @@ def decide(p: Params, s: Signals, r: Replicas, target_ongoing: float | None,
     if fewer < r.lowest:
         st["cool_since"] = None
         return _done(st, target, target, "steady")
-    calm = all(v is None or v < p.down_at * obj for v in (s.ttft_s, s.wait_s))
+    calm = obj is None or all(v is None or v < p.down_at * obj for v in (s.ttft_s, s.wait_s))
     if fewer == 0:
         fits = s.ongoing == 0
     else:
@@ -264,8 +268,16 @@ def _seconds(v: float | None) -> str:
 def signals_from(raw: Mapping[str, Mapping[Any, Any]] | None, ongoing: float, min_samples: int,
                  now: float, max_age_s: float) -> Signals:
     """``Signals`` from the raw custom metrics of an ``AutoscalingContext`` (metric -> replica ->
-    time series of ``TimeStampedValue``): each replica's latest report no older than ``max_age_s``."""
+    time series of ``TimeStampedValue``): each replica's latest report no older than ``max_age_s``.
+    Ongoing requests are the larger of ``ongoing`` (Ray Serve's count) and the sum of the
+    replicas' own counts (``ONGOING_METRIC``, averaged over each replica's fresh reports)."""
     raw = raw or {}
+    reported = 0.0
+    for series in (raw.get(ONGOING_METRIC) or {}).values():
+        fresh = _fresh(series, now, max_age_s)
+        if fresh:
+            reported += sum(fresh) / len(fresh)
+    ongoing = max(ongoing, reported)
     ttfts: list[float] = []
     waits: list[float] = []
     rising = False
@@ -329,17 +341,22 @@ def top_tier_objective_s(cfg: AppConfig) -> float:
 
 
 def autoscaling_options(a: AutoscalingConfig, objective_s: float | None) -> dict[str, Any]:
-    """Ray Serve's ``autoscaling_config`` for ``a``: as given without ``objective_policy``; with it,
-    ``ObjectivePolicy`` on ``objective_s``, which then owns the delays (Ray's are set to 0)."""
+    """Ray Serve's ``autoscaling_config`` for ``a``, always with ``ObjectivePolicy``, which owns
+    the delays (Ray's are set to 0): Ray Serve's default policy counts only the requests that
+    cross its handles, and the gateway's requests go to the replicas' endpoints. Without
+    ``objective_policy`` the policy scales on ongoing requests alone (Ray's default rule, on the
+    replicas' own counts); with it, also on the top tier's TTFT and wait against ``objective_s``."""
     opts = a.model_dump(exclude_none=True, exclude={"objective_policy"})
     o = a.objective_policy
     if o is None:
-        return opts
-    if objective_s is None:
-        raise ValueError("objective_policy needs the top tier's TTFT objective")
-    params = Params(objective_s=objective_s, up_at=o.up_at, wait_up_at=o.wait_up_at,
-                    down_at=o.down_at, window_s=o.window_s, min_samples=o.min_samples,
-                    upscale_delay_s=a.upscale_delay_s, downscale_delay_s=a.downscale_delay_s)
+        params = Params(objective_s=None, upscale_delay_s=a.upscale_delay_s,
+                        downscale_delay_s=a.downscale_delay_s)
+    else:
+        if objective_s is None:
+            raise ValueError("objective_policy needs the top tier's TTFT objective")
+        params = Params(objective_s=objective_s, up_at=o.up_at, wait_up_at=o.wait_up_at,
+                        down_at=o.down_at, window_s=o.window_s, min_samples=o.min_samples,
+                        upscale_delay_s=a.upscale_delay_s, downscale_delay_s=a.downscale_delay_s)
     opts.update(upscale_delay_s=0.0, downscale_delay_s=0.0,
                 policy={"policy_function": POLICY_PATH, "policy_kwargs": asdict(params)})
     return opts

@@ -1,9 +1,11 @@
 """The model deployment: one Ray Serve replica = one ``backend.Backend`` (a vLLM engine, or the
 synthetic upstream); it depends on that protocol only.
 
-``handle`` serves every endpoint of ``protocol.ENDPOINTS`` and answers as a stream (a head, then
-for a stream its chunks and a trailer), so the gateway handles every endpoint, streaming or not,
-with one code path.
+``ModelService.handle`` serves every endpoint of ``protocol.ENDPOINTS`` and answers as a stream (a
+head, then for a stream its chunks and a trailer), so the gateway handles every endpoint, streaming
+or not, with one code path. The gateway reaches it through the replica's own endpoint
+(``engine.endpoint``, ``serve_app.wire``), never through a Ray Serve handle: Ray Serve owns the
+replicas (placement groups, autoscaling, health checks, rolling updates), not the token path.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from typing import Any, cast
 from ray import serve
 
 from serve_app.config import ModelConfig
-from serve_app.engine.autoscale import TopTierWindow
+from serve_app.engine.autoscale import ONGOING_METRIC, TopTierWindow
 from serve_app.engine.backend import Backend
+from serve_app.engine.endpoint import ModelEndpoint
 from serve_app.engine.server import EngineServer
 from serve_app.engine.sources import resolve_source
 from serve_app.engine.synthetic import SyntheticServer
@@ -26,14 +29,16 @@ from serve_app.metrics import ProcessMetrics
 from serve_app.protocol import ENDPOINTS, Head, RequestContext
 from serve_app.runtime import logflush
 from serve_app.runtime.procwatch import LoopWatch
+from serve_app.runtime.registry import MODEL_HOST_ENV, registry
 
 logger = logging.getLogger("ray.serve")
+REGISTER_EVERY_S = 5.0
+DRAIN_MARGIN_S = 2.0  # Ray Serve kills the replica at graceful_shutdown_timeout_s: stop the engine first
 
 
 class ModelService:
-    """One model's backend and what wraps it, with no Ray Serve in it: built by ``create``, used by
-    the model deployment below (the deployment path) and by ``engine.local`` inside the gateway's
-    own process (``gateway.serve_model``). Start-up is bounded by ``startup_timeout_s``."""
+    """One model's backend and what wraps it, with no Ray Serve in it: built by ``create``, served
+    by the model deployment below. Start-up is bounded by ``startup_timeout_s``."""
 
     def __init__(self, cfg: ModelConfig, server: Backend, top_tier: TopTierWindow | None,
                  watch: LoopWatch) -> None:
@@ -116,7 +121,9 @@ class ModelService:
 
 @serve.deployment
 class ModelServer:
-    """Ray Serve deployment wrapping one ``ModelService``: one replica, one backend."""
+    """Ray Serve deployment wrapping one ``ModelService``: one replica, one backend, and the
+    replica's own streaming endpoint (``engine.endpoint``), registered under its replica id
+    (``runtime.registry``) so that gateways send it requests directly."""
 
     # Ray Serve awaits an async constructor; mypy knows only synchronous ones.
     async def __init__(  # type: ignore[misc]
@@ -124,23 +131,73 @@ class ModelServer:
     ) -> None:
         logflush.install()  # warnings and errors reach the replica log at once
         self.service = await ModelService.create(model, cache_dir, top_priority)
+        context = serve.get_replica_context()
+        self._replica_id = context.replica_id.unique_id
+        self._app = context.app_name
+        self._registry = registry(self._app)
+        self._token: str = await self._registry.token.remote()
+        self.endpoint = ModelEndpoint(self.service.handle, lambda: self._token, endpoint_host())
+        await self.endpoint.start()
+        self._drain_s = self.service.cfg.deployment.graceful_shutdown_timeout_s
+        await self._register()
+        self._heartbeat = asyncio.get_running_loop().create_task(self._keep_registered())
+        logger.info("model %s serves on %s:%d", self.service.cfg.id, self.endpoint.host,
+                    self.endpoint.port)
 
-    async def handle(self, endpoint: str, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Any]:
-        """One request (``ModelService.handle``): the gateway's one entry point on this replica."""
-        async for item in self.service.handle(endpoint, body, ctx):
-            yield item
+    async def _register(self) -> None:
+        self._token = await self._registry.put.remote(
+            self._replica_id, self.service.cfg.id, self.endpoint.host, self.endpoint.port)
+
+    async def _keep_registered(self) -> None:
+        """Register again every few seconds: a registry that restarted fills again, and a new
+        token (a restarted registry makes one) reaches this replica."""
+        while not self.endpoint.draining:
+            await asyncio.sleep(REGISTER_EVERY_S)
+            try:
+                await self._register()
+            except Exception as exc:  # the registry was lost: keep serving, make it again
+                logger.warning("endpoint not registered: %s", exc.__class__.__name__)
+                self._registry = registry(self._app)
 
     async def stats(self) -> dict[str, Any]:
-        return self.service.stats()
+        return {**self.service.stats(), "in_flight": self.endpoint.in_flight,
+                "served": self.endpoint.served, "endpoint": f"{self.endpoint.host}:{self.endpoint.port}"}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Ray Serve's hook for custom autoscaling metrics (autoscale.ObjectivePolicy reads them)."""
-        return self.service.autoscaling_stats()
+        """Ray Serve's hook for custom autoscaling metrics (autoscale.ObjectivePolicy reads them):
+        the requests in flight here (Ray Serve does not see them) and the top tier's p95s."""
+        return {ONGOING_METRIC: float(self.endpoint.in_flight), **self.service.autoscaling_stats()}
 
     async def check_health(self) -> None:
         await self.service.check_health()
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Ray Serve's graceful stop (a scale-down, a rolling update, a deletion): leave the
+        registry, refuse new requests (the gateway retries them elsewhere: nothing ran), let those
+        in flight finish within ``graceful_shutdown_timeout_s``, then stop the engine."""
         service = getattr(self, "service", None)  # absent if the constructor failed
-        if service is not None:
-            service.shutdown()
+        endpoint = getattr(self, "endpoint", None)
+        try:
+            if endpoint is not None:
+                endpoint.draining = True
+                try:
+                    await self._registry.drop.remote(self._replica_id)
+                except Exception:
+                    pass  # the registry's entry goes with the RUNNING filter anyway
+                left = await endpoint.drain(max(0.0, self._drain_s - DRAIN_MARGIN_S))
+                if left:
+                    logger.warning("model replica stopping with %d requests in flight", left)
+                endpoint.close()
+        finally:
+            if service is not None:
+                service.shutdown()
+
+
+def endpoint_host() -> str:
+    """Where this replica listens: ``SERVE_APP_MODEL_HOST`` if set (``serve-app run`` sets the
+    loopback address), else the Ray node's address, which other nodes' gateways reach."""
+    import os
+
+    import ray
+
+    return os.environ.get(MODEL_HOST_ENV) or str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]

@@ -1,17 +1,18 @@
 """The gateway ingress deployment: builds its collaborators and serves ``api.build_api``.
 
-With ``gateway.serve_model`` (the in-gateway path) it also starts that model's engine in its own
-process, through the starter ``app.py`` passes (``engine.local.start``: this package does not import
-the engine's), and calls it like the other models' deployment handles."""
+Each model is called through ``routing.direct.DirectClient``: the gateway picks the replica
+(``routing.placement``) and streams from that replica's own endpoint. The model deployments' Serve
+handles are kept only for what is not a request (``serve-app diagnose`` reads their stats)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -25,13 +26,22 @@ from serve_app.gateway.accounting.usage import Usage
 from serve_app.gateway.admission.admission import Admission
 from serve_app.gateway.admission.budgets import Budgets
 from serve_app.gateway.admission.drain import Drain
-from serve_app.gateway.forward import Forwarder, HandleClient
+from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.http.api import GatewayDeps, build_api
 from serve_app.gateway.outage import OutageGuard
 from serve_app.gateway.pipeline import Pipeline
+from serve_app.gateway.routing.direct import DirectClient
+from serve_app.gateway.routing.placement import Picker
 from serve_app.gateway.routing.replicas import LiveReplicas, serve_status_fetch
 from serve_app.gateway.routing.router import Router
-from serve_app.metrics import AuditMetrics, FlowMetrics, GatewayMetrics, ProcessMetrics, StageMetrics
+from serve_app.metrics import (
+    AuditMetrics,
+    FlowMetrics,
+    GatewayMetrics,
+    ProcessMetrics,
+    RouterMetrics,
+    StageMetrics,
+)
 from serve_app.protocol import ModelClient
 from serve_app.runtime import logflush, niceness
 from serve_app.runtime.procwatch import LoopWatch
@@ -53,24 +63,13 @@ class Gateway:
     # Ray Serve awaits an async constructor; mypy knows only synchronous ones.
     async def __init__(  # type: ignore[misc]
         self, app_config: dict[str, Any], handles: dict[str, Any], created: int | None = None,
-        serve_here: Callable[[dict[str, Any], str, int], Awaitable[Any]] | None = None,
     ) -> None:
-        """``serve_here`` (``engine.local.start``, passed by ``app.py`` when
-        ``gateway.serve_model`` is set) starts that model's engine in this process and returns
-        its in-process ``ModelClient``; every other model is called over its Serve handle
-        (``forward.HandleClient``)."""
+        """``handles``: the model deployments' Serve handles (bound by ``app.py``), for
+        diagnostics only; requests go to the replicas' endpoints."""
         logflush.install()  # warnings and errors reach the replica log at once
         cfg = AppConfig.model_validate(app_config)
         deployments = {m.id: m.deployment_name for m in cfg.models}
-        self.local: Any = None
-        clients: dict[str, ModelClient] = {m: HandleClient(h) for m, h in handles.items()}
-        served = cfg.served_model
-        if served is not None and serve_here is not None:
-            self.local = await serve_here(served.model_dump(mode="json"), cfg.cache_dir,
-                                          cfg.top_priority)
-            clients[served.id] = self.local
-            # Its running replicas are this deployment's.
-            deployments[served.id] = serve.get_replica_context().deployment
+        self.handles = handles
         # Every connection and store of this replica; the lifespan closes it once.
         self.state = state = open_state(cfg)
         self.budgets = Budgets(state.budgets, dict(cfg.gateway.accounting.tenant_budgets), time.time)
@@ -96,7 +95,7 @@ class Gateway:
         self.admission = Admission(cfg, state.limits, self.replicas, usage, self.budgets, drain)
         self.admission.flow.attach(FlowMetrics.for_this_replica())
         outage = OutageGuard(cfg.gateway.http.unavailable_hold_s, self.replicas)
-        forwarder = Forwarder(clients, cfg.gateway.http, outage, drain)
+        forwarder = Forwarder(self._clients(cfg, outage), cfg.gateway.http, outage, drain)
         self.deps = GatewayDeps(
             cfg=cfg,
             keys=state.keys,
@@ -115,6 +114,22 @@ class Gateway:
 
         self.deps.batch, self.batch_runner = build_batch(
             cfg, state, self.deps.pipeline.answer_line, self.deps.keys.by_id, process_metrics.tags["replica"])
+
+    def _clients(self, cfg: AppConfig, outage: OutageGuard) -> dict[str, ModelClient]:
+        """One ``DirectClient`` per model, over the endpoints ``LiveReplicas`` keeps."""
+        router_metrics = RouterMetrics.create()
+        clients: dict[str, ModelClient] = {}
+        for m in cfg.models:
+            def decided(decision: str, name: str = m.deployment_name) -> None:
+                router_metrics.routed(deployment=name, decision=decision)
+
+            clients[m.id] = DirectClient(
+                m.id, functools.partial(self.replicas.endpoints, m.id),
+                lambda: self.replicas.token,
+                Picker(m.affinity_routing, m.routing.load_factor, m.routing.max_keys),
+                on_decision=decided if m.affinity_routing else None,
+                on_failure=outage.saw_failure, on_empty=self.replicas.poke)
+        return clients
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self.deps, self._lifespan)
@@ -176,6 +191,8 @@ class Gateway:
             "peak_rss_bytes": peak,
             "keys_file": self.deps.keys.location,
             "model_transport": self.deps.pipeline.forwarder.transport,
+            # Where each model's RUNNING replicas serve, as this replica last read it.
+            "endpoints": self.replicas.diagnostics()["endpoints"],
             # Each model's replicas running now and the admission bounds they give.
             "models": {
                 m.id: {
@@ -190,16 +207,6 @@ class Gateway:
             "flow": self.admission.flow.snapshot(),
         }
 
-    async def check_health(self) -> None:
-        """Ray Serve's health check: with a model served here, its engine's (a dead engine
-        core fails it, and Ray Serve replaces the replica); otherwise always healthy."""
-        if self.local is not None:
-            await self.local.check_health()
-
-    async def served_model_stats(self) -> dict[str, Any] | None:
-        """The engine facts of the model served in this replica (``serve-app diagnose``)."""
-        return await self.local.stats() if self.local is not None else None
-
     async def batches(self, limit: int = 20) -> list[dict[str, Any]]:
         """The latest batches of every tenant, for operators (serve-app diagnose): status, counts,
         and which runner of this replica holds them."""
@@ -213,6 +220,3 @@ class Gateway:
         replicas = getattr(self, "replicas", None)  # absent if the constructor failed early
         if replicas is not None:
             replicas.stop()
-        local = getattr(self, "local", None)
-        if local is not None:
-            local.shutdown()

@@ -19,14 +19,6 @@ import time
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
-from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.exceptions import (
-    BackPressureError,
-    DeploymentUnavailableError,
-    ReplicaUnavailableError,
-    RequestCancelledError,
-)
-
 from serve_app import errors
 from serve_app.config import HttpConfig
 from serve_app.gateway.admission.drain import Drain, Stream
@@ -46,25 +38,7 @@ from serve_app.protocol import (
 
 logger = logging.getLogger("ray.serve")
 
-_UNAVAILABLE = (DeploymentUnavailableError, ReplicaUnavailableError, RayActorError)
-
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class HandleClient:
-    """``protocol.ModelClient`` over a model deployment's Serve handle (the deployment path): each
-    call is ``handle.options(stream=True).handle.remote(endpoint, body, ctx)``, whose response
-    generator is the ``ModelCall`` (``__anext__`` and ``cancel``)."""
-
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle.options(stream=True)
-        # "grpc" (Ray Serve's throughput mode) or "object refs" (Ray's default), from the last call.
-        self.transport = "none yet"
-
-    def call(self, endpoint: str, body: dict[str, Any], ctx: dict[str, Any]) -> ModelCall:
-        gen = self._handle.handle.remote(endpoint, body, ctx)
-        self.transport = "object refs" if getattr(gen, "by_reference", True) else "grpc"
-        return gen  # type: ignore[no-any-return]
 
 
 class Forwarder:
@@ -78,8 +52,7 @@ class Forwarder:
         self.cfg = cfg
         self.outage = outage if outage is not None else OutageGuard(cfg.unavailable_hold_s, None)
         self.drain = drain if drain is not None else Drain(cfg.drain_timeout_s, None)
-        # How the last call travelled: "grpc" (Ray Serve's throughput mode), "object refs"
-        # (Ray's default) or "in process" (gateway.serve_model). In the replica's diagnostics
+        # How the last call travelled ("direct": routing.direct). In the replica's diagnostics
         # (serve-app diagnose); a test checks it.
         self.transport = "none yet"
 
@@ -158,12 +131,10 @@ class Forwarder:
             async with asyncio.timeout(self.cfg.request_timeout_s):
                 first: Head = await self.outage.first(model_id, gen.__anext__(), start)
                 return first
-        except BackPressureError:
-            raise self.model_unavailable(model_id, "at capacity") from None
         except ModelDown:
             gen.cancel()
             raise self.model_unavailable(model_id, "down (no healthy replica)") from None
-        except _UNAVAILABLE:
+        except ConnectionError:  # the replica's connection broke before its head
             self.outage.saw_failure(model_id)
             raise self.model_unavailable(model_id, "unavailable") from None
         except TimeoutError:
@@ -173,10 +144,6 @@ class Forwarder:
             ) from None
         except StopAsyncIteration:
             raise errors.InternalError(f"model {model_id!r} returned no answer") from None
-        except RayTaskError as exc:
-            logger.error("model %s failed: %s", model_id, exc.__class__.__name__)
-            self.outage.saw_failure(model_id)
-            raise self.model_unavailable(model_id, "failing") from None
         except BaseException:
             gen.cancel()  # the client went away (or this task was cancelled) before an answer
             raise
@@ -246,7 +213,7 @@ class Relay:
                     continue
                 data, self._completion = item
                 yield data
-        except (asyncio.CancelledError, RequestCancelledError):
+        except asyncio.CancelledError:
             if not self._stream.stopped:
                 raise  # the client went away
             self.finished = True  # the app is stopping and the drain's time is up

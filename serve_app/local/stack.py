@@ -146,9 +146,12 @@ class LocalStack:
     def _start_ray(self) -> None:
         say("starting Ray (local, loopback only) ...")
         from serve_app.gateway.http.proxy_middleware import IMPORT_PATH
+        from serve_app.runtime.registry import MODEL_HOST_ENV
 
         # Ray's HTTP servers read this when they start: it bounds the X-Request-Id they echo.
         os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", IMPORT_PATH)
+        # Model replicas serve the gateway on this host only (engine.deployment.endpoint_host).
+        os.environ.setdefault(MODEL_HOST_ENV, self.host if self.host != "0.0.0.0" else "127.0.0.1")
         # Ray Serve reads the ingress settings once, when ray.serve is first imported, in every
         # process: Ray's own (so before ray.init) and this one, which builds the app and its
         # deployment handles (so before the import; otherwise the handles between the gateway and

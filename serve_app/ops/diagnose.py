@@ -25,9 +25,6 @@ def run() -> int:
         gw = serve.get_deployment_handle(GATEWAY_DEPLOYMENT, app_name=APP_NAME)
         diag = gw.diagnostics.remote().result(timeout_s=10)
         print("gateway:", json.dumps(diag))
-        served = gw.served_model_stats.remote().result(timeout_s=10)
-        if served is not None:  # gateway.serve_model: that model's engine runs in the gateway
-            print("served here:", json.dumps(served))
         for line in flow_lines(diag.get("flow") or {}):
             print(line)
         # The Batch API's latest batches (every tenant's), from the store the replicas share.

@@ -80,9 +80,8 @@ def test_gateway_replica_never_imports_the_engine(stack, serve_handles) -> None:
     _through_every_gateway_replica(stack)
     diag = serve_handles("gateway").diagnostics.remote().result(timeout_s=10)
     assert diag["heavy_modules"] == []
-    # serve-app run sets Ray Serve's throughput mode before importing Ray (serve_app/local/front_door.py),
-    # so the handles it builds stream over gRPC, not one Ray object per chunk.
-    assert diag["model_transport"] == "grpc"
+    # Requests go to the model replicas' own endpoints (routing.direct), not over Serve handles.
+    assert diag["model_transport"] == "direct"
     print(f"\n[stack] gateway peak RSS: {diag['peak_rss_bytes'] / 2**20:.0f} MiB")
 
 
@@ -93,7 +92,7 @@ def test_diagnose_reports_the_gateway_and_each_model_replica(stack) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
     assert lines["app llm"].startswith("RUNNING")
-    assert json.loads(lines["gateway"])["model_transport"] == "grpc"
+    assert json.loads(lines["gateway"])["model_transport"] == "direct"
     tiny = json.loads(lines["model-tiny-chat"])
     assert tiny["model"] == "tiny-chat" and tiny["waiting_for_slot"] == 0
     assert json.loads(lines["model-minilm-embed"])["unfinished_requests"] == 0

@@ -11,7 +11,6 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from ray.serve.exceptions import BackPressureError
 
 from serve_app.errors import error_body
 from serve_app.gateway.deployment import Gateway
@@ -21,7 +20,7 @@ from serve_app.gateway.routing.router import Router
 from serve_app.protocol import SSE_DONE, head
 from serve_app.state.keys import FileKeyStore
 from tests.keys import create_key, file_store, loaded, revoke_key, run
-from tests.unit.fakes import Call, FakeHandle, FakeStream, StepClock
+from tests.unit.fakes import Call, FakeClient, FakeStream, StepClock
 
 MAX_BODY = 2048
 ERROR_FIELDS = {"message", "type", "param", "code"}
@@ -30,19 +29,20 @@ OK_BODY = b'{"object": "fake"}'
 
 
 class FakeModels:
-    """Fake deployment handles for every model: one call log in order, each call answered with
+    """Fake model clients for every model: one call log in order, each call answered with
     ``self.items``."""
 
     def __init__(self) -> None:
         self.calls: list[Call] = []
         self.items: list[Any] = [head(200, OK_BODY)]
 
-    def handle(self, model_id: str) -> FakeHandle:
-        return FakeHandle(lambda: FakeStream(self.items), model_id, self.calls)
+    def handle(self, model_id: str) -> FakeClient:
+        return FakeClient(lambda: FakeStream(self.items), model_id, self.calls)
 
 
-def _gateway_deps(app_config: dict[str, Any], handles: dict[str, Any]) -> GatewayDeps:
-    """The deps exactly as the Gateway deployment wires them, without starting Ray Serve."""
+def _gateway_deps(app_config: dict[str, Any], clients: dict[str, Any]) -> GatewayDeps:
+    """The deps exactly as the Gateway deployment wires them, without starting Ray Serve; the
+    models' ``DirectClient``s (``Gateway._clients``) replaced by ``clients``."""
     # Gateway.func_or_class is wrapped by @serve.ingress, whose __init__ needs a Serve replica;
     # the class's own constructor is the one that builds GatewayDeps.
     own = next(
@@ -51,9 +51,10 @@ def _gateway_deps(app_config: dict[str, Any], handles: dict[str, Any]) -> Gatewa
         if getattr(vars(c).get("__init__"), "__qualname__", "") == "Gateway.__init__"
     )
     obj = object.__new__(own)
-    # The constructor is async (it awaits a model served in the gateway, none here): without a
-    # served model it awaits nothing, so one step runs it to the end, inside a loop or not.
-    step = own.__init__(obj, app_config, handles)
+    obj._clients = lambda cfg, outage: dict(clients)
+    # The constructor is async for Ray Serve, and awaits nothing: one step runs it to the end,
+    # inside a loop or not.
+    step = own.__init__(obj, app_config, {})
     with pytest.raises(StopIteration):
         step.send(None)
     deps = obj.deps
@@ -381,8 +382,8 @@ def test_model_error_head_is_passed_through(env: Env) -> None:
     _error(resp, 400, "context_length_exceeded")
 
 
-def test_backpressure_is_503_with_retry_after(env: Env) -> None:
-    env.models.items = [BackPressureError(num_queued_requests=4, max_queued_requests=4)]
+def test_unreachable_model_is_503_with_retry_after(env: Env) -> None:
+    env.models.items = [ConnectionRefusedError()]  # no replica took it: nothing ran
     resp = env.post("/v1/chat/completions", CHAT, key=env.all_key)
     err = _error(resp, 503, "service_unavailable")
     assert err["type"] == "server_error"

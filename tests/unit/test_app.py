@@ -14,7 +14,7 @@ from ray.serve._private.build_app import build_app as ray_build_app
 from ray.serve.config import AutoscalingConfig as RayAutoscalingConfig
 
 from serve_app.app import build_app, model_deployment_options, parse_args
-from serve_app.config import APP_NAME, AppConfig, load_app_config
+from serve_app.config import APP_NAME, load_app_config
 from serve_app.engine.deployment import ModelServer
 from tests.unit.builders import app_config, app_doc, model, model_doc, tier
 
@@ -106,41 +106,3 @@ def test_model_deployments_learn_the_top_tier_priority() -> None:
     built = ray_build_app(build_app(cfg), name=APP_NAME)
     model = next(d for d in built.deployments if d.name == "model-m")
     assert model.init_args[2] == 1
-
-
-# ---- the in-gateway path (gateway.serve_model) --------------------------------------------------
-def _served(**gateway: Any) -> dict[str, Any]:
-    return app_doc(model_doc(id="chat", accelerator={"kind": "cpu", "cpus_per_worker": 2},
-                             env={"VLLM_CPU_OMP_THREADS_BIND": "0"}),
-                   model_doc(id="embed", task="embed"),
-                   gateway={"serve_model": "chat", **gateway})
-
-
-def test_a_served_model_runs_in_the_gateway_replicas_placed_like_its_own() -> None:
-    from serve_app.engine.local import start
-
-    cfg = AppConfig.model_validate(_served())
-    built = ray_build_app(build_app(cfg), name=APP_NAME)
-    assert {d.name for d in built.deployments} == {"gateway", "model-embed"}  # no model-chat
-    gw = next(d for d in built.deployments if d.name == "gateway")
-    assert gw.ray_actor_options["num_cpus"] == 2
-    assert gw.ray_actor_options["runtime_env"] == {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}
-    assert gw._replica_config.placement_group_bundles == model_deployment_options(cfg.model("chat"))["placement_group_bundles"]
-    assert gw.init_args[3] is start  # the gateway starts the engine in its own process
-    assert cfg.served_model is cfg.model("chat")
-
-
-@pytest.mark.parametrize(("change", "message"), [
-    ({"gateway": {"serve_model": "nope"}}, "is not one of the models"),
-    ({"gateway": {"serve_model": "chat", "num_replicas": 2}}, "must equal gateway.num_replicas"),
-    ({"deployment": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}}, "not autoscaling_config"),
-    ({"routing": {"affinity": "on"}}, "routing.affinity"),
-])
-def test_a_served_model_that_cannot_run_in_the_gateway_is_refused(change: dict[str, Any], message: str) -> None:
-    doc = _served()
-    if "gateway" in change:
-        doc["gateway"] = change["gateway"]
-    else:
-        doc["models"][0].update(change)
-    with pytest.raises(ValidationError, match=message):
-        AppConfig.model_validate(doc)

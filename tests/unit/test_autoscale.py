@@ -24,6 +24,7 @@ from serve_app.app import build_app, model_deployment_options
 from serve_app.config import AutoscalingConfig
 from serve_app.engine.autoscale import (
     COUNT_METRIC,
+    ONGOING_METRIC,
     POLICY_PATH,
     TTFT_METRIC,
     WAIT_METRIC,
@@ -35,6 +36,7 @@ from serve_app.engine.autoscale import (
     autoscaling_options,
     decide,
     p95,
+    signals_from,
     top_tier_objective_s,
 )
 from serve_app.protocol import RequestContext
@@ -70,8 +72,8 @@ class Deployment:
             target_ongoing_requests=self.target_ongoing, look_back_period_s=30,
             upscale_delay_s=self.params.upscale_delay_s,
             downscale_delay_s=self.params.downscale_delay_s,
-            objective_policy={"window_s": self.params.window_s,  # type: ignore[arg-type]
-                              "min_samples": self.params.min_samples},
+            objective_policy=None if self.params.objective_s is None else {  # type: ignore[arg-type]
+                "window_s": self.params.window_s, "min_samples": self.params.min_samples},
         ), self.params.objective_s)
         self.config = RayAutoscalingConfig(**opts)
         # As the controller does: the pickled class, instantiated with its kwargs, then wrapped.
@@ -329,11 +331,38 @@ def test_p95_is_nearest_rank() -> None:
 
 
 # ---- config and wiring ---------------------------------------------------------------------------
-def test_default_autoscaling_keeps_ray_serves_policy() -> None:
+def test_default_autoscaling_scales_on_the_replicas_own_ongoing_counts() -> None:
+    """Ray Serve's default policy counts only requests that cross its handles, and the gateway's
+    go to the replicas' endpoints: every autoscaled model gets the policy, without an objective."""
     opts = autoscaling_options(AutoscalingConfig(max_replicas=2, upscale_delay_s=7), None)
-    assert "policy" not in opts and "objective_policy" not in opts
-    assert opts["upscale_delay_s"] == 7
-    assert RayAutoscalingConfig(**opts).policy.is_default_policy_function()
+    assert "objective_policy" not in opts
+    assert (opts["upscale_delay_s"], opts["downscale_delay_s"]) == (0.0, 0.0)
+    kw = opts["policy"]["policy_kwargs"]
+    assert kw["objective_s"] is None and kw["upscale_delay_s"] == 7
+    assert not RayAutoscalingConfig(**opts).policy.is_default_policy_function()
+
+
+def test_the_replicas_own_counts_drive_scaling_when_ray_sees_none() -> None:
+    """1 -> 3 on 40 requests the replicas report (Ray Serve's own count is 0), then back to 1
+    once they end, after the downscale hold."""
+    d = Deployment(Params(objective_s=None, window_s=5, upscale_delay_s=3, downscale_delay_s=20))
+
+    def tick_with(per_replica: float) -> int:
+        for i in range(d.running):
+            rid = ReplicaID(unique_id=f"r{i}", deployment_id=DEP)
+            d.reports.setdefault(ONGOING_METRIC, {}).setdefault(rid, []).append(
+                TimeStampedValue(d.now + 1, per_replica))
+        seen = d.tick(ongoing=0.0)
+        d.settle()
+        return seen
+
+    assert [tick_with(40.0) for _ in range(5)][-1] == 3  # 40 / 16 per replica
+    for _ in range(40):  # the old reports age out of the 30 s look-back
+        tick_with(0.0)
+    assert [tick_with(0.0) for _ in range(150)][-1] == 1
+    assert signals_from({ONGOING_METRIC: {"a": [TimeStampedValue(d.now, 4.0)],
+                                          "b": [TimeStampedValue(d.now, 6.0)]}},
+                        1.0, 10, d.now, 30).ongoing == 10.0
 
 
 def test_objective_policy_owns_the_delays_and_gets_the_objective() -> None:

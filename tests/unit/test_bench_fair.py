@@ -209,17 +209,13 @@ def test_suspension_is_the_default_and_the_peers_venvs_can_come_from_elsewhere(t
     assert dirs["rayserve"] == tmp_path / "shared/rayserve-llm"
 
 
-def test_the_in_gateway_path_serves_the_model_in_the_gateway(tmp_path: Path) -> None:
-    """``--path in-gateway``: the stack's config, edited, is valid and puts tiny-chat in the gateway."""
+def test_the_stack_runs_the_shipped_config_with_an_unlimited_tier(tmp_path: Path) -> None:
+    """The stack's config is configs/local.yaml as shipped, plus the benchmark's unlimited tier."""
     from loadtests.harness.stack import ROOT, copy_config, read_config
 
+    shipped = read_config(ROOT / "configs/local.yaml")
     cfg = read_config(copy_config(ROOT / "configs/local.yaml", tmp_path / "serve.yaml", port=1234,
                                   keys_file=tmp_path / "keys.yaml",
-                                  edit=bench.stack_edit(0, "in-gateway", "tiny-chat")))
-    assert cfg.gateway.serve_model == "tiny-chat" and cfg.gateway.num_replicas == 1
+                                  edit=bench.stack_edit(0)))
     assert bench.BENCH_TIER in cfg.tiers
-    plain = read_config(copy_config(ROOT / "configs/local.yaml", tmp_path / "plain.yaml", port=1234,
-                                    keys_file=tmp_path / "keys.yaml",
-                                    edit=bench.stack_edit(0, "deployment", "tiny-chat")))
-    assert plain.gateway.serve_model is None
-    assert bench.parse_args(["--path", "in-gateway"]).path == "in-gateway"
+    assert cfg.models == shipped.models and cfg.gateway.num_replicas == shipped.gateway.num_replicas

@@ -1,10 +1,10 @@
 """serve_app.gateway.forward: relaying a model's head + SSE chunks, exiting the request's pass
 with the engine's token counts (a stream's when its response ends), and mapping handle failures.
 
-The deployment handle is faked: ``handle.options(stream=True).handle.remote(endpoint, body, ctx)``
-returns an object with ``__anext__`` and ``cancel()``, like Ray Serve's DeploymentResponseGenerator;
-``forward.HandleClient`` is the ``ModelClient`` over it. The forwarder's ``Answer`` is checked as
-the HTTP layer serves it (``http.answers.to_response``).
+The model's ``ModelClient`` is faked (``tests.unit.fakes.FakeClient``): ``call(endpoint, body, ctx)``
+returns an object with ``__anext__`` and ``cancel()``, like ``routing.direct.DirectCall`` (whose
+transport failures are ``ConnectionError``s). The forwarder's ``Answer`` is checked as the HTTP
+layer serves it (``http.answers.to_response``).
 """
 
 from __future__ import annotations
@@ -16,17 +16,15 @@ from collections.abc import Coroutine
 from typing import Any
 
 import pytest
-from ray.exceptions import RayActorError, RayTaskError
-from ray.serve._private.common import DeploymentID
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.responses import Response, StreamingResponse
 
 from serve_app import errors
-from serve_app.config import APP_NAME, HttpConfig
+from serve_app.config import HttpConfig
 from serve_app.gateway.accounting.timing import StageClock
 from serve_app.gateway.admission.ledger import Outcome
-from serve_app.gateway.forward import Forwarder, HandleClient
+from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.http.answers import to_response
+from serve_app.gateway.routing.direct import Broken
 from serve_app.protocol import (
     ENDPOINTS,
     SSE_DONE,
@@ -36,7 +34,7 @@ from serve_app.protocol import (
     tokens_of,
     trailer,
 )
-from tests.unit.fakes import HANG, FakeHandle, FakeStream
+from tests.unit.fakes import HANG, FakeClient, FakeStream
 
 CTX = RequestContext(request_id="r1", key_id="k1", tier="standard", priority=3, deadline=0.0)
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
@@ -55,10 +53,10 @@ class FakePass:
         self.outcomes.append(out)
 
 
-def _forwarder(gen: FakeStream, **http: Any) -> tuple[Forwarder, FakeHandle]:
-    handle = FakeHandle(gen)
+def _forwarder(gen: FakeStream, **http: Any) -> tuple[Forwarder, FakeClient]:
+    handle = FakeClient(gen)
     cfg = HttpConfig(**{"retry_after_s": 7, **http})
-    return Forwarder({"tiny-chat": HandleClient(handle)}, cfg), handle
+    return Forwarder({"tiny-chat": handle}, cfg), handle
 
 
 def _run(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -101,7 +99,6 @@ async def _serve(resp: Response, disconnect_after: int | None = None) -> list[by
 def test_calls_the_named_method_with_plain_context() -> None:
     fwd, handle = _forwarder(FakeStream([head(200, b"{}")]))
     _run(_forward(fwd, "embeddings"))
-    assert handle.options_calls == [{"stream": True}]
     ((_, method, body, ctx),) = handle.calls
     assert method == "embeddings"
     assert body == BODY
@@ -109,25 +106,13 @@ def test_calls_the_named_method_with_plain_context() -> None:
     assert json.loads(json.dumps(ctx)) == ctx  # JSON-serialisable, nothing else crosses
 
 
-def test_backpressure_is_503_with_retry_after() -> None:
-    gen = FakeStream([BackPressureError(num_queued_requests=10, max_queued_requests=10)])
-    fwd, _ = _forwarder(gen)
-    with pytest.raises(errors.ServiceUnavailable) as exc_info:
-        _run(_forward(fwd))
-    err = exc_info.value
-    assert err.status == 503
-    assert err.headers["Retry-After"] == "7"
-    assert "tiny-chat" in err.message and "capacity" in err.message
-
-
 @pytest.mark.parametrize(
     "exc",
     [
-        DeploymentUnavailableError(DeploymentID(name="model-tiny-chat", app_name=APP_NAME)),
-        RayActorError(),
-        RayTaskError("chat", "Traceback: /secret/path.py", RuntimeError("boom")),
+        ConnectionRefusedError("/secret/path.py"),
+        Broken("model 'tiny-chat': the connection to replica r1 broke (IncompleteReadError)"),
     ],
-    ids=["deployment-unavailable", "actor-died", "task-error"],
+    ids=["refused", "broken-before-head"],
 )
 def test_unavailable_model_is_503(exc: Exception) -> None:
     fwd, _ = _forwarder(FakeStream([exc]))
@@ -201,7 +186,7 @@ def _events(body: bytes) -> list[bytes]:
 
 
 def test_error_mid_stream_ends_with_error_event_and_done() -> None:
-    gen = FakeStream([head(200, b"data: 1\n\n", stream=True), (b"data: 2\n\n", 2), RayActorError()])
+    gen = FakeStream([head(200, b"data: 1\n\n", stream=True), (b"data: 2\n\n", 2), ConnectionResetError()])
     fwd, _ = _forwarder(gen)
 
     async def scenario() -> bytes:
@@ -272,7 +257,7 @@ def test_error_head_closes_the_ledger_with_no_tokens_used() -> None:
 
 def test_no_answer_leaves_the_ledger_to_the_caller() -> None:
     ledger = FakePass()
-    fwd, _ = _forwarder(FakeStream([BackPressureError(num_queued_requests=1, max_queued_requests=1)]))
+    fwd, _ = _forwarder(FakeStream([ConnectionRefusedError()]))
     with pytest.raises(errors.ServiceUnavailable):
         _run(_forward(fwd, ledger=ledger))
     assert ledger.outcomes == []
@@ -358,7 +343,7 @@ def test_answer_cut_between_its_parts_is_an_error_not_a_truncated_200() -> None:
     """The model ran: the break is ``AnswerBroken`` (502), not the 503 "nothing ran" that the
     pipeline would fall back on or book as backpressure."""
     items = split_complete(200, b"x" * 10000, None, part_bytes=4096)
-    gen = FakeStream([items[0], items[1], RayActorError()])
+    gen = FakeStream([items[0], items[1], ConnectionResetError()])
     ledger = FakePass()
     fwd, _ = _forwarder(gen)
     with pytest.raises(errors.AnswerBroken) as exc_info:
@@ -378,9 +363,8 @@ def test_a_request_held_for_a_lost_replica_is_answered_503_once_none_runs() -> N
     live = LiveReplicas(lambda: Status(dict(counts)), 0.1)
     live.refresh()
     gen = FakeStream([HANG])
-    handle = FakeHandle(gen)
     cfg = HttpConfig(retry_after_s=7, unavailable_hold_s=0.5)
-    fwd = Forwarder({"tiny-chat": HandleClient(handle)}, cfg,
+    fwd = Forwarder({"tiny-chat": FakeClient(gen)}, cfg,
                     OutageGuard(cfg.unavailable_hold_s, live))
 
     async def run() -> None:

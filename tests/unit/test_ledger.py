@@ -8,7 +8,6 @@ import time
 from typing import Any
 
 import pytest
-from ray.serve.exceptions import BackPressureError
 
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord
@@ -17,14 +16,14 @@ from serve_app.gateway.accounting.tracecontext import TraceContext
 from serve_app.gateway.accounting.usage import Usage
 from serve_app.gateway.admission.admission import Admission
 from serve_app.gateway.admission.ledger import Outcome, Pass
-from serve_app.gateway.forward import Forwarder, HandleClient
+from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.http.answers import to_response
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.routing.router import Router
 from serve_app.protocol import ENDPOINTS, head, split_complete, tokens_of, trailer
 from serve_app.state.limits import MemoryBackend
 from serve_app.state.usage import MemoryUsageStore
-from tests.unit.fakes import HANG, FakeHandle, FakeStream
+from tests.unit.fakes import HANG, FakeClient, FakeStream
 from tests.unit.test_forward import _serve
 
 TPM = 100_000
@@ -48,12 +47,12 @@ class Env:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, gens: dict[str, FakeStream]) -> None:
         monkeypatch.setattr("serve_app.gateway.admission.admission.clock", lambda: NOW)  # no refill
         cfg = _cfg()
-        self.handles = {m: FakeHandle(g) for m, g in gens.items()}
+        self.handles = {m: FakeClient(g) for m, g in gens.items()}
         self.store = MemoryUsageStore()
         self.backend = MemoryBackend()
         usage = Usage(self.store, None)
         self.admission = Admission(cfg, self.backend, usage=usage)
-        clients = {m: HandleClient(h) for m, h in self.handles.items()}
+        clients = dict(self.handles)
         self.pipeline = Pipeline(cfg, Router(cfg), self.admission,
                                  Forwarder(clients, cfg.gateway.http), usage)
 
@@ -157,7 +156,7 @@ def test_a_break_between_parts_is_neither_rerun_nor_backpressure(
 
 
 def test_unavailable_model_falls_back_once_and_closes_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    full = FakeStream([BackPressureError(num_queued_requests=1, max_queued_requests=1)])
+    full = FakeStream([ConnectionRefusedError()])
     spare = FakeStream([head(200, b"{}", tokens=tokens_of(3, 4))])
     env = Env(monkeypatch, {"tiny": full, "spare": spare})
     body = {**BODY, "stream": False}
@@ -177,8 +176,8 @@ def test_no_answer_anywhere_is_one_rejection_and_refunds_the_reservation(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     env = Env(monkeypatch, {
-        "tiny": FakeStream([BackPressureError(num_queued_requests=1, max_queued_requests=1)]),
-        "spare": FakeStream([BackPressureError(num_queued_requests=1, max_queued_requests=1)]),
+        "tiny": FakeStream([ConnectionRefusedError()]),
+        "spare": FakeStream([ConnectionRefusedError()]),
     })
 
     async def scenario() -> tuple[int, dict[str, int]]:

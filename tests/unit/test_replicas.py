@@ -183,7 +183,13 @@ def test_status_is_read_from_the_controllers_details_dict() -> None:
         "model-tiny-chat": {"status": "HEALTHY", "replicas": replicas},
         "model-embed": {"status": "UPDATING", "replicas": []}}}}}
     deployments = {"tiny-chat": "model-tiny-chat", "embed": "model-embed", "gone": "model-gone"}
-    assert status_of(details, "llm", deployments) == Status({"tiny-chat": 2, "embed": 0})
+    assert status_of(details, "llm", deployments).running == {"tiny-chat": 2, "embed": 0}
+    # The registry's endpoints of RUNNING replicas only, of the model they registered for.
+    table = {"a": ("tiny-chat", "10.0.0.1", 4001), "b": ("tiny-chat", "10.0.0.1", 4002),
+             "c": ("embed", "10.0.0.2", 4003), "stale": ("tiny-chat", "10.0.0.9", 1)}
+    status = status_of(details, "llm", deployments, table, "tok")
+    assert status.endpoints == {"tiny-chat": {"a": ("10.0.0.1", 4001)}, "embed": {}}
+    assert status.token == "tok"
     details["applications"]["llm"]["status"] = "DELETING"
     assert status_of(details, "llm", deployments).deleting
     assert status_of({"applications": {}}, "llm", deployments) == Status()  # no news
@@ -212,3 +218,16 @@ def test_the_fetch_outside_a_replica_fails_without_starting_ray() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip() == "raised False", out.stdout + out.stderr[-2000:]
+
+
+def test_a_registry_that_cannot_be_read_keeps_the_last_endpoints_and_new_counts() -> None:
+    """The replica counts come from Ray Serve's controller; the endpoints from the registry. When
+    only the registry fails (its node lost), the counts still follow the controller, and requests
+    keep going to the endpoints last read (an unreachable one is skipped by the client)."""
+    statuses = [Status({"m": 2}, endpoints={"m": {"a": ("h", 1), "b": ("h", 2)}}, token="t"),
+                Status({"m": 1}, endpoints=None)]
+    live = LiveReplicas(lambda: statuses.pop(0), 1.0)
+    live.refresh()
+    live.refresh()
+    assert live.running("m") == 1
+    assert live.endpoints("m") == {"a": ("h", 1), "b": ("h", 2)} and live.token == "t"

@@ -1,33 +1,27 @@
-"""Affinity routing (serve_app.engine.router, serve_app.gateway.routing.affinity) and its config.
+"""Affinity routing (serve_app.gateway.routing.placement, serve_app.gateway.routing.affinity) and
+its config.
 
 The policy is checked without Ray: which replica a key goes to, how the load bound moves it, and
-what adding or removing a replica moves. The Ray Serve wiring is checked with Ray Serve's own
-validation (no cluster)."""
+what adding or removing a replica moves; then the gateway's ``Picker``, which adds its own in-flight
+counts and the counts the replicas report."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from ray.serve._private.common import DeploymentID, ReplicaID
 
-from serve_app.app import model_deployment_options
-from serve_app.engine import router as router_mod
-from serve_app.engine.router import (
-    ROUTER_PATH,
-    AffinityRouter,
+from serve_app.gateway.routing import affinity
+from serve_app.gateway.routing.placement import (
     AffinityTable,
-    affinity_key,
+    Picker,
     load_bound,
     rank,
 )
-from serve_app.gateway.routing import affinity
-from serve_app.protocol import ENDPOINTS, RequestContext
+from serve_app.protocol import ENDPOINTS
 from tests.unit.builders import model
 
 REPLICAS = [f"r{i}" for i in range(4)]
@@ -149,88 +143,43 @@ def test_load_factor_below_one_is_refused() -> None:
         AffinityTable(load_factor=0.9)
 
 
-# ---- the Ray Serve router -------------------------------------------------------------------------
-@dataclass
-class FakeReplica:
-    replica_id: ReplicaID
+# ---- the gateway's picker --------------------------------------------------------------------------
+def test_picker_keeps_a_key_home_and_spills_on_its_own_in_flight_count() -> None:
+    p = Picker(affinity=True)
+    home = p.choose("s", ["a", "b"]).order[0]
+    assert p.choose("s", ["a", "b"]).decision == "affinity"
+    for _ in range(3):
+        p.sent(home)  # sent and not answered yet
+    spilled = p.choose("s", ["a", "b"])
+    assert spilled.order[0] != home and spilled.decision == "spill"
+    for _ in range(3):
+        p.done(home)
+    assert p.in_flight == {}
 
 
-@dataclass
-class FakeContext:
-    should_backoff: bool = False
+def test_picker_spills_on_the_load_other_gateways_put_on_the_home() -> None:
+    """The replica's own count (in each answer's head: every gateway's requests) counts even when
+    this gateway sent nothing there."""
+    p = Picker(affinity=True)
+    home = p.choose("s", ["a", "b"]).order[0]
+    p.report(home, 3)  # another gateway's three requests
+    assert p.choose("s", ["a", "b"]).order[0] != home
+    p.keep_only(["a", "b"])
+    assert p.reported == {home: 3}
+    p.keep_only([r for r in ("a", "b") if r != home])  # the home left
+    assert p.reported == {}
 
 
-@dataclass
-class FakePending:
-    args: list[Any]
-    routing_context: FakeContext = field(default_factory=FakeContext)
-
-
-class FakeMetrics:
-    def __init__(self) -> None:
-        self.seen: list[str] = []
-
-    def routed(self, *, deployment: str, decision: str) -> None:
-        self.seen.append(decision)
-
-
-def _router() -> tuple[AffinityRouter, list[FakeReplica], FakeMetrics]:
-    """The router as Ray Serve's ``RequestRouter.__init__`` leaves it, without a controller."""
-    from ray.serve._private.request_router.common import ReplicaQueueLengthCache
-
-    r = AffinityRouter.__new__(AffinityRouter)
-    r._deployment_id = DeploymentID(name="model-tiny-chat", app_name="llm")
-    r._replica_queue_len_cache = ReplicaQueueLengthCache()
-    r.initialize_state(load_factor=1.25)
-    metrics = FakeMetrics()
-    r._metrics = metrics
-    dep = DeploymentID(name="model-tiny-chat", app_name="llm")
-    return r, [FakeReplica(ReplicaID(f"id{i}", dep)) for i in range(2)], metrics
-
-
-def _request(key: str) -> Any:
-    ctx = RequestContext(request_id="x", key_id="k", tier="t", affinity=key).to_dict()
-    return FakePending(["chat", {}, ctx])
-
-
-def test_router_reads_the_key_from_the_request_context() -> None:
-    assert affinity_key(_request("abc")) == "abc"
-    assert affinity_key(FakePending(["chat", {}])) == ""
-    assert affinity_key(None) == ""
-
-
-def test_router_ranks_every_replica_and_counts_decisions() -> None:
-    r, replicas, metrics = _router()
-    req = _request("session-1")
-    ranks = asyncio.run(r.choose_replicas(replicas, req))  # type: ignore[arg-type]
-    again = asyncio.run(r.choose_replicas(replicas, _request("session-1")))  # type: ignore[arg-type]
-    assert [x[0] for x in ranks] == [x[0] for x in again] and len(ranks) == 2
-    assert metrics.seen == ["new", "affinity"]
-    assert req.routing_context.should_backoff
-
-
-def test_router_spills_when_its_own_in_flight_count_is_over_the_bound() -> None:
-    r, replicas, metrics = _router()
-    home = asyncio.run(r.choose_replicas(replicas, _request("s")))[0][0]  # type: ignore[arg-type]
-    r._in_flight[home.replica_id] = 3  # sent and not completed
-    other = asyncio.run(r.choose_replicas(replicas, _request("s")))[0][0]  # type: ignore[arg-type]
-    assert other is not home and metrics.seen[-1] == "spill"
-
-
-def test_router_spills_on_the_load_other_gateways_put_on_the_home() -> None:
-    """The replica's own count (Ray Serve's queue-length cache, which every gateway's requests
-    raise) counts even when this router sent nothing there."""
-    r, replicas, metrics = _router()
-    home = asyncio.run(r.choose_replicas(replicas, _request("s")))[0][0]  # type: ignore[arg-type]
-    assert r._in_flight.get(home.replica_id, 0) == 0
-    r._replica_queue_len_cache.update(home.replica_id, 3)  # another gateway's three requests
-    other = asyncio.run(r.choose_replicas(replicas, _request("s")))[0][0]  # type: ignore[arg-type]
-    assert other is not home and metrics.seen[-1] == "spill"
-
-
-def test_shipped_path_names_the_router() -> None:
-    module, _, name = ROUTER_PATH.partition(":")
-    assert module == router_mod.__name__ and getattr(router_mod, name) is AffinityRouter
+def test_picker_without_affinity_takes_the_less_loaded_of_two() -> None:
+    p = Picker(affinity=False, rng=random.Random(0))
+    replicas = ["a", "b", "c", "d"]
+    for r, n in zip(replicas, (5, 0, 5, 5), strict=True):
+        p.report(r, n)
+    firsts = Counter(p.choose("ignored", replicas).order[0] for _ in range(400))
+    # "b" wins whenever it is one of the two drawn (half the draws); the others split the rest.
+    assert 150 < firsts["b"] < 250 and sum(firsts.values()) == 400
+    assert all(p.choose("", replicas).decision == "none" for _ in range(3))
+    assert p.choose("", ["a", "b"]).order == ["b", "a"]
 
 
 # ---- the gateway's key -----------------------------------------------------------------------------
@@ -302,22 +251,14 @@ def test_routing_config_is_validated() -> None:
         model(routing={"affinty": "on"})
 
 
-def test_deployment_gets_the_router_only_when_on() -> None:
-    assert "request_router_config" not in model_deployment_options(model())
-    opts = model_deployment_options(model(deployment={"num_replicas": 2},
-                                           routing={"load_factor": 1.5}))
-    rrc = opts["request_router_config"]
-    assert rrc.request_router_class == ROUTER_PATH
-    assert rrc.request_router_kwargs == {"load_factor": 1.5, "max_keys": 65_536}
-    assert rrc.get_request_router_class().__name__ == "AffinityRouter"
-
-
-def test_ray_serve_accepts_the_router_option() -> None:
+def test_ray_serve_accepts_the_model_options() -> None:
     from typing import cast
 
     from ray.serve.deployment import Deployment
 
+    from serve_app.app import model_deployment_options
     from serve_app.engine.deployment import ModelServer
 
     opts = model_deployment_options(model(deployment={"num_replicas": 2}))
+    assert "request_router_config" not in opts  # the gateway places requests itself
     cast(Deployment, ModelServer).options(**opts)
