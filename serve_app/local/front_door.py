@@ -27,8 +27,6 @@ from serve_app.gateway.accounting.timing import STAMPING_FRONT_DOOR_ENV
 from serve_app.local.ports import free_port
 
 MODES = ("haproxy", "proxy")
-GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-GRPC_ENV = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(GRPC_MAX_MESSAGE_BYTES)}
 
 # Ray Serve's HAProxy template binds the stats and metrics listeners as "bind *:PORT" / "bind :PORT",
 # which is every interface. The wrapper pins each wildcard bind to the stack's host before HAProxy
@@ -171,18 +169,10 @@ def haproxy_env(run_dir: Path, host: str, binary: str) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port(host)),
         # No external load balancer has to notice a replica leaving, so Ctrl-C need not wait 30 s.
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
-        # Ray Serve's throughput mode: user code and the handle router on the replica's own event
-        # loop (no cross-thread hand-off per chunk), gRPC instead of Ray object references between
-        # deployments, GC frozen after start-up. It also implies direct ingress. bench, c16/c64:
-        # 0.70/0.66 -> 0.92/0.86; gRPC alone, c64: 0.40 -> 0.63 (the gateway's CPU per token /3).
-        # Ray Serve's max_queued_requests does not bound a burst on either transport; the gateway
-        # enforces each model's capacity itself (serve_app/gateway/admission/admission.py).
+        # Ray Serve's throughput mode: user code on the replica's own event loop (no cross-thread
+        # hand-off per chunk), GC frozen after start-up. It also implies direct ingress. (The
+        # tokens do not cross Ray Serve's handles: serve_app/wire.py.)
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-        # The model replica -> gateway link carries one gRPC message per answer part; Ray keeps
-        # gRPC's 4 MiB default. Complete answers travel in 1 MiB parts (protocol.split_complete),
-        # so this only has to hold a request body (gateway.http.max_body_bytes, at most 32 MiB) and
-        # its envelope.
-        **GRPC_ENV,
     }
 
 

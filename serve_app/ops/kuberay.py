@@ -27,7 +27,6 @@ from urllib.parse import urlsplit
 import yaml
 
 from serve_app.config import AppConfig, load_app_config
-from serve_app.local.front_door import GRPC_ENV
 from serve_app.state.files import files_root
 
 DEFAULT_CONFIG = "configs/prod.yaml"
@@ -43,8 +42,6 @@ SERVE_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "serve_app.gateway.http.proxy_middleware:middlewares",
-    # Room on the replica gRPC link for a request body up to gateway.http.max_body_bytes (front_door.py).
-    **GRPC_ENV,
 }
 
 

@@ -146,9 +146,10 @@ def test_wrapper_adds_timeout_error_files_and_method_rules_that_haproxy_accepts(
     assert "bind 127.0.0.1:8404" in text
 
 
-def test_replica_grpc_limit_is_raised_with_haproxy(tmp_path: Path) -> None:
+def test_throughput_mode_is_on_with_haproxy(tmp_path: Path) -> None:
     env = front_door.haproxy_env(tmp_path, "127.0.0.1", "/bin/true")
-    assert int(env["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]) == 64 * 2**20
+    assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    assert "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH" not in env  # no request crosses Ray's gRPC
 
 
 def _free_port() -> int:
