@@ -112,8 +112,12 @@ def test_a_full_primary_overflows_onto_its_fallback() -> None:
 def test_a_rate_limited_request_gives_its_slot_back() -> None:
     adm = Admission(_cfg(premium_rpm=2), SlowBackend())
     results = _burst(adm, PREMIUM, 5, ["tiny"])
-    assert [type(r) for r in results if isinstance(r, Exception)] == [errors.RateLimited] * 3
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert [type(r) for r in refused] == [errors.RateLimited] * 3
     assert adm.inflight["tiny"] == 2
+    # The 429 names the limit, its scope and tier, and how to get a higher one.
+    msg = refused[0].message
+    assert "requests per minute (2)" in msg and "'premium'" in msg and "higher limit" in msg
 
 
 def test_settle_and_move_keep_the_counts_right() -> None:

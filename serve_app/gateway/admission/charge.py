@@ -94,10 +94,13 @@ async def charge(backend: LimitBackend, key: KeyRecord, key_limits: Limits, tier
             )
         what = {"conc": "concurrent requests", "rpm": "requests per minute",
                 "tpm": "tokens per minute"}[failed.counter.rsplit(":", 1)[1]]
-        scope = "key" if failed.counter.startswith("key:") else f"tier {key.tier!r}"
+        on_key = failed.counter.startswith("key:")
+        scope = f"key (tier {key.tier!r})" if on_key else f"tier {key.tier!r} (all its keys)"
         raise errors.RateLimited(
             f"Rate limit reached for {what} ({failed.limit}) on this {scope}. "
-            f"Retry in {wait:.2f} s.",
+            f"Retry in {wait:.2f} s. For a higher limit, an admin can give this key its own "
+            f"(serve-app keys create --max-concurrent/--rpm/--tpm, or PATCH /admin/v1/keys) or a "
+            f"key in a tier with more (--tier).",
             headers={
                 **headers,
                 "Retry-After": str(max(1, math.ceil(wait))),
