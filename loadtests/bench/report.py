@@ -191,6 +191,7 @@ def ratios(summary: dict[int, dict[str, Any]], side: str = "gateway") -> dict[in
         out[c] = {
             "tok_s_ratio": g["output_tok_s"] / d["output_tok_s"] if d["output_tok_s"] else 0.0,
             "ttft_p50_delta_ms": g["ttft_p50_ms"] - d["ttft_p50_ms"],
+            "ttft_p50_ratio": g["ttft_p50_ms"] / d["ttft_p50_ms"] if d["ttft_p50_ms"] else 0.0,
             "tpot_p50_ratio": g["tpot_p50_ms"] / d["tpot_p50_ms"] if d["tpot_p50_ms"] else 0.0,
         }
     return out
@@ -205,8 +206,9 @@ def markdown(summary: dict[int, dict[str, Any]], rat: dict[int, dict[str, float]
     lines = [
         f"Medians over {meta['repeats']} repeat(s); `{meta['backend']}` backend (streaming "
         f"`{meta['endpoint']}`), random dataset, input {meta['input_len']} / output "
-        f"{meta['output_len']} tokens (`--ignore-eos`), seed {meta['seed']}, greedy. The stack's "
-        f"token path: **{meta.get('path', 'deployment')}** (`--path`).",
+        f"{meta['output_len']} tokens (`--ignore-eos`), seed {meta['seed']}, greedy. The stack "
+        f"runs `{meta.get('config', 'configs/local.yaml')}` as shipped, with the benchmark's key "
+        f"in an unlimited tier.",
         "",
         "| Concurrency | Prompts | Side | " + " | ".join(t for _, t, _ in COLUMNS) + " |",
         "| ---: | ---: | --- | " + " | ".join("---:" for _ in COLUMNS) + " |",
@@ -220,12 +222,13 @@ def markdown(summary: dict[int, dict[str, Any]], rat: dict[int, dict[str, float]
             lines.append(f"| {c} | {meta['num_prompts'][str(c)]} | {side} | {cells} |")
     lines += [
         "",
-        "| Concurrency | tok/s gateway/direct | TTFT p50 gateway - direct (ms) | TPOT p50 gateway/direct |",
-        "| ---: | ---: | ---: | ---: |",
+        "| Concurrency | tok/s gateway/direct | TTFT p50 gateway/direct | TTFT p50 gateway - direct (ms) | TPOT p50 gateway/direct |",
+        "| ---: | ---: | ---: | ---: | ---: |",
     ]
     for c, r in rat.items():
         lines.append(
-            f"| {c} | {r['tok_s_ratio']:.2f} | {r['ttft_p50_delta_ms']:+.1f} | {r['tpot_p50_ratio']:.2f} |"
+            f"| {c} | {r['tok_s_ratio']:.2f} | {r.get('ttft_p50_ratio', 0.0):.2f} | "
+            f"{r['ttft_p50_delta_ms']:+.1f} | {r['tpot_p50_ratio']:.2f} |"
         )
     cpu_rows = [
         (c, side, m) for c, sides in summary.items() for side in sides
@@ -266,6 +269,28 @@ def markdown(summary: dict[int, dict[str, Any]], rat: dict[int, dict[str, float]
         lines.append(f"- gateway replica peak RSS: **{rss_bytes / 2**20:.0f} MiB**")
     else:
         lines.append("- gateway replica peak RSS: not measured (see the warning in the output)")
+    return "\n".join(lines) + "\n"
+
+
+def repeats_markdown(runs: list[dict[str, Any]]) -> str:
+    """Every run: per concurrency and repeat, each side's tokens/s and TTFT p50, and the
+    gateway's ratios against direct in that repeat (the paired figures behind the medians)."""
+    by: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+    for r in runs:
+        by.setdefault((r["concurrency"], r["repeat"]), {})[r["side"]] = r.get("metrics") or {}
+    sides = sorted({s for v in by.values() for s in v}, key=lambda s: (s != "direct", s != "gateway", s))
+    head = ["Concurrency", "Repeat", *(f"{s} tok/s, TTFT p50" for s in sides),
+            "gateway/direct tok/s", "gateway/direct TTFT p50"]
+    lines = ["Every repeat:", "", "| " + " | ".join(head) + " |",
+             "| ---: | ---: |" + " ---: |" * (len(head) - 2)]
+    for (c, rep), per in sorted(by.items()):
+        cells = [f"{_fmt('{:.0f}', per.get(s, {}).get('output_tok_s'))}, "
+                 f"{_fmt('{:.1f}', per.get(s, {}).get('ttft_p50_ms'))} ms" for s in sides]
+        d, g = per.get("direct", {}), per.get("gateway", {})
+        tok = (g.get("output_tok_s") or 0) / d["output_tok_s"] if d.get("output_tok_s") else None
+        ttft = (g.get("ttft_p50_ms") or 0) / d["ttft_p50_ms"] if d.get("ttft_p50_ms") else None
+        lines.append(f"| {c} | {rep} | " + " | ".join(cells)
+                     + f" | {_fmt('{:.2f}', tok)} | {_fmt('{:.2f}', ttft)} |")
     return "\n".join(lines) + "\n"
 
 
