@@ -158,8 +158,9 @@ class Forwarder:
             async with asyncio.timeout(self.cfg.request_timeout_s):
                 first: Head = await self.outage.first(model_id, gen.__anext__(), start)
                 return first
-        except BackPressureError:
-            raise self.model_unavailable(model_id, "at capacity") from None
+        except BackPressureError:  # Ray Serve's own queue bound: overload, as the gateway's is
+            raise errors.Overloaded(f"model {model_id!r} is at capacity; retry shortly",
+                                    retry_after_s=self.cfg.retry_after_s) from None
         except ModelDown:
             gen.cancel()
             raise self.model_unavailable(model_id, "down (no healthy replica)") from None

@@ -78,7 +78,8 @@ class Env:
                 "keys": {"file": str(self.keys_file), "reload_interval_s": 1.0},
                 "http": {"max_body_bytes": MAX_BODY, "request_timeout_s": 30, "retry_after_s": 3},
             },
-            "tiers": {"standard": {"priority": 0}, "premium": {"priority": 5}},
+            "tiers": {"standard": {"priority": 0},
+                      "premium": {"priority": 5, "key_limits": {"rpm": 1000, "tpm": 1_000_000}}},
         }
         self.models = FakeModels()
         handles = {m["id"]: self.models.handle(m["id"]) for m in app_config["models"]}
@@ -384,6 +385,22 @@ def test_model_error_head_is_passed_through(env: Env) -> None:
 def test_backpressure_is_503_with_retry_after(env: Env) -> None:
     env.models.items = [BackPressureError(num_queued_requests=4, max_queued_requests=4)]
     resp = env.post("/v1/chat/completions", CHAT, key=env.all_key)
-    err = _error(resp, 503, "service_unavailable")
+    err = _error(resp, 503, "model_at_capacity")
     assert err["type"] == "server_error"
-    assert resp.headers["retry-after"] == "3"
+    assert 3 <= int(resp.headers["retry-after"]) <= 6  # an overload's wait: 3 s, jittered
+    # Admitted, then refused by the model: the answer still tells the key's limits.
+    assert resp.headers["x-ratelimit-limit-requests"] == "1000"
+    assert resp.headers["x-ratelimit-remaining-requests"] == "999"
+
+
+def test_anthropic_limit_headers_only_on_the_messages_routes(env: Env) -> None:
+    messages = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    for path, body in (("/v1/messages", messages), ("/v1/messages/count_tokens", messages),
+                       ("/v1/chat/completions", CHAT)):
+        resp = env.post(path, body, key=env.all_key)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-ratelimit-limit-tokens"] == "1000000"
+        anthropic = {h for h in resp.headers if h.startswith("anthropic-ratelimit-")}
+        assert anthropic == ({f"anthropic-ratelimit-{kind}-{part}" for kind in ("requests", "tokens")
+                              for part in ("limit", "remaining", "reset")}
+                             if path.startswith("/v1/messages") else set()), path
