@@ -9,6 +9,8 @@ Messages API routes).
 from __future__ import annotations
 
 import json
+import math
+import random
 from typing import Any
 
 
@@ -135,19 +137,33 @@ class Refused(ServeAppError):
 
 
 class RateLimited(Refused):
-    """A key or tier limit (requests or tokens per minute, concurrency) refused the request; it
-    carries ``Retry-After`` for when the limit allows it again."""
+    """A key or tier window (requests or tokens per minute) refused the request; it carries
+    ``Retry-After`` for when the window has room for it again."""
 
     status = 429
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
 
 
+class ConcurrencyLimited(RateLimited):
+    """The key or its tier has its most requests in flight; room comes when one of them ends."""
+
+    code = "concurrency_limit_exceeded"
+
+
 class QuotaExceeded(RateLimited):
-    """A key's or tenant's token budget for the day or month is spent (OpenAI's code for it)."""
+    """A key's or tenant's token budget for the day or month is spent (OpenAI's code for it).
+
+    Its ``Retry-After`` is the time to the budget's reset, and ``x-should-retry: false`` tells the
+    openai and anthropic SDKs not to retry at all: a retry within the period fails again, and an
+    agent should stop at once and show the message instead of retrying for minutes."""
 
     type = "insufficient_quota"
     code = "insufficient_quota"
+
+    def __init__(self, message: str, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.headers["x-should-retry"] = "false"
 
 
 class Conflict(ServeAppError):
@@ -179,8 +195,36 @@ class ServiceUnavailable(Refused):
         self.headers.setdefault("Retry-After", str(max(1, int(retry_after_s))))
 
 
-class Shed(ServiceUnavailable):
+class ShuttingDown(ServiceUnavailable):
+    """The app is stopping (draining): another gateway replica, or this one restarted, answers."""
+
+    code = "shutting_down"
+
+
+class Overloaded(ServiceUnavailable):
+    """The model is full right now (its capacity). The wait is short and jittered, from
+    ``retry_after_s`` to twice it (``retry-after-ms`` has it to the millisecond; ``Retry-After``,
+    whole seconds, rounds it up), so that the clients refused in one burst do not all come back
+    in the same instant and make the next burst."""
+
+    code = "model_at_capacity"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1, **kwargs: Any) -> None:
+        wait = retry_after_s * (1 + random.random())
+        super().__init__(message, retry_after_s=math.ceil(wait), **kwargs)
+        self.headers["retry-after-ms"] = str(round(wait * 1000))
+
+
+class Shed(Overloaded):
     """The model is saturated and the key's tier is shed before the tiers above it."""
+
+    code = "tier_shed"
+
+
+class QueueTimeout(Overloaded):
+    """The request waited in the model's flow queue past its tier's bound."""
+
+    code = "queue_timeout"
 
 
 class AnswerBroken(ServeAppError):

@@ -35,6 +35,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 PART_BYTES = 1024 * 1024
 
 Task = Literal["generate", "embed"]
+# Whose API an endpoint speaks: the shape of its error bodies, and which limit headers it sends.
+Dialect = Literal["openai", "anthropic"]
 BodyCheck = Callable[[dict[str, Any]], None]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -69,7 +71,7 @@ class Endpoint:
     request_type: str  # vLLM's request type, "module:Name" (resolved in engine/, never here)
     serving: str  # the attribute of vLLM's ``init_app_state`` state that serves it
     handler: str  # that serving object's method ("__call__" for a callable)
-    dialect: Literal["openai", "anthropic"] = "openai"  # the shape of its error bodies
+    dialect: Dialect = "openai"
     # The fields that bound the completion, in the order vLLM reads them; a tier's cap is
     # written to the first when the body sets none. Empty: the endpoint generates no text.
     max_tokens_fields: tuple[str, ...] = ()

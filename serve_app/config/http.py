@@ -26,7 +26,8 @@ class HttpConfig(_Strict):
         "with an error.",
     )
     retry_after_s: PositiveInt = Field(
-        default=2, description="The Retry-After of every 503 the gateway answers itself."
+        default=2, description="The Retry-After of every 503 the gateway answers itself; an overload's "
+        "(capacity, shedding, a queue wait) is jittered from it to twice it."
     )
     unavailable_hold_s: PositiveFloat = Field(
         default=5.0,

@@ -103,6 +103,9 @@ class Pipeline:
                     ctx = dataclasses.replace(ctx, request_id=uuid.uuid4().hex)
         except BaseException as exc:
             await admitted.exit(_no_answer(exc))
+            if isinstance(exc, errors.ServeAppError):  # its answer tells the limits, as any answer
+                for name, value in admitted.headers.items():
+                    exc.headers.setdefault(name, value)
             raise
 
     async def answer_line(self, key: KeyRecord, endpoint: Endpoint, body: dict[str, Any],

@@ -57,11 +57,13 @@ class Verdict:
 
 class LimitBackend(Protocol):
     """Where the limit counters live: ``admit`` charges every counter or none (the verdict says
-    which limit refused and when to retry), and ``refund`` gives back what an unfinished request
-    did not use."""
+    which limit refused and when to retry), ``refund`` gives back what an unfinished request
+    did not use, and ``peek`` reads every counter without charging it (a refused request's
+    answer reports the limits as they stand; a refused ``admit`` stops at the first full one)."""
 
     async def admit(self, charges: list[Charge], now: float) -> Verdict: ...
     async def refund(self, charges: list[Charge], now: float) -> None: ...
+    async def peek(self, charges: list[Charge], now: float) -> Verdict: ...
 
 
 def rate_step(tat: float, now: float, c: Charge) -> tuple[float, bool, float, float]:
@@ -74,6 +76,21 @@ def rate_step(tat: float, now: float, c: Charge) -> tuple[float, bool, float, fl
         remaining = max(0.0, (WINDOW_S - (base - now)) / interval)
         return tat, False, math.floor(remaining), over
     return new_tat, True, math.floor((WINDOW_S - (new_tat - now)) / interval), new_tat - now
+
+
+def standing(charges: list[Charge], values: list[float], now: float) -> Verdict:
+    """The verdict of charging nothing: for each counter (its stored value in ``values``: a TAT or
+    a gauge's count), the units left and the seconds until it is full again."""
+    v = Verdict(allowed=True)
+    for c, value in zip(charges, values, strict=True):
+        if c.gauge:
+            v.remaining.append(max(0.0, c.limit - value))
+            v.reset_s.append(0.0)
+        else:
+            backlog = max(0.0, value - now)
+            v.remaining.append(max(0, math.floor((WINDOW_S - backlog) / (WINDOW_S / c.limit))))
+            v.reset_s.append(backlog)
+    return v
 
 
 class MemoryBackend:
@@ -115,6 +132,10 @@ class MemoryBackend:
             elif c.counter in self._tat:
                 interval = WINDOW_S / c.limit
                 self._tat[c.counter] = max(now, self._tat[c.counter] - c.amount * interval)
+
+    async def peek(self, charges: list[Charge], now: float) -> Verdict:
+        return standing(charges, [(self._gauge if c.gauge else self._tat).get(c.counter, 0.0)
+                                  for c in charges], now)
 
 
 _ADMIT_LUA = """
@@ -182,6 +203,7 @@ class RedisBackend:
 
     def __init__(self, client: redis.asyncio.Redis, prefix: str = REDIS_PREFIX) -> None:
         self._prefix = prefix
+        self._client = client
         self._admit = client.register_script(_ADMIT_LUA)
         self._refund = client.register_script(_REFUND_LUA)
 
@@ -209,6 +231,12 @@ class RedisBackend:
         if charges:
             keys, args = self._args(charges, now)
             await self._refund(keys=keys, args=args)
+
+    async def peek(self, charges: list[Charge], now: float) -> Verdict:
+        if not charges:
+            return Verdict(allowed=True)
+        raw = await self._client.mget([self._prefix + c.counter for c in charges])
+        return standing(charges, [float(x) if x is not None else 0.0 for x in raw], now)
 
 
 def open_limits(gw: GatewayConfig, connections: Connections) -> LimitBackend:

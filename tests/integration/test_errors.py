@@ -137,7 +137,7 @@ def test_back_pressure_is_503_with_retry_after(stack) -> None:
     for r in rejected:
         assert int(r.headers["retry-after"]) >= 1
         err = _error(r)
-        assert err["code"] == "service_unavailable" and "at capacity" in err["message"], err
+        assert err["code"] == "model_at_capacity" and "at capacity" in err["message"], err
     for r in responses:
         if r.status_code == 200:
             assert r.text.rstrip().endswith("data: [DONE]")

@@ -72,14 +72,17 @@ class Env:
         revoke_key(self.keys_file, "old")
         app_config = {
             "models": [
-                {"id": "tiny-chat", "source": "builtin:tiny-chat", "aliases": ["tiny"]},
+                {"id": "tiny-chat", "source": "builtin:tiny-chat", "aliases": ["tiny"],
+                 "engine": {"max_model_len": 4096},
+                 "frontend": {"enable_auto_tool_choice": True, "tool_call_parser": "hermes"}},
                 {"id": "minilm-embed", "source": "x", "task": "embed", "aliases": ["all-minilm-l6-v2"]},
             ],
             "gateway": {
                 "keys": {"file": str(self.keys_file), "reload_interval_s": 1.0},
                 "http": {"max_body_bytes": MAX_BODY, "request_timeout_s": 30, "retry_after_s": 3},
             },
-            "tiers": {"standard": {"priority": 0}, "premium": {"priority": 5}},
+            "tiers": {"standard": {"priority": 0},
+                      "premium": {"priority": 5, "key_limits": {"rpm": 1000, "tpm": 1_000_000}}},
         }
         self.models = FakeModels()
         handles = {m["id"]: self.models.handle(m["id"]) for m in app_config["models"]}
@@ -361,6 +364,42 @@ def test_model_card_hidden_from_restricted_key(env: Env) -> None:
     _error(env.get("/v1/models/minilm-embed", env.chat_key), 404, "model_not_found")
 
 
+def test_model_cards_tell_the_models_limits_and_the_keys(env: Env) -> None:
+    """A client sizes its context and output by the listing instead of guessing."""
+    cards = {m["id"]: m for m in env.get("/v1/models", env.all_key).json()["data"]}
+    chat, embed = cards["tiny"], cards["minilm-embed"]
+    assert chat["max_model_len"] == 4096 and chat["max_output_tokens"] == 4096  # no cap: the context
+    assert chat["modalities"] == {"input": ["text"], "output": ["text"]}
+    assert chat["supports_tools"] is True  # a tool parser is configured
+    assert chat["limits"] == {"tier": "premium", "rpm": 1000, "tpm": 1_000_000,
+                              "max_concurrent": None, "max_tokens_cap": None}
+    assert embed["max_model_len"] is None and embed["max_output_tokens"] is None
+    assert embed["modalities"] == {"input": ["text"], "output": ["embeddings"]}
+    assert embed["supports_tools"] is False
+    standard = env.get("/v1/models/tiny-chat", env.chat_key).json()
+    assert standard["limits"]["tier"] == "standard" and standard["limits"]["rpm"] is None
+
+
+def test_an_anthropic_client_gets_anthropics_listing(env: Env) -> None:
+    headers = {"x-api-key": env.all_key, "anthropic-version": "2023-06-01"}
+    first = env.client.get("/v1/models?limit=3", headers=headers).json()
+    assert set(first) == {"data", "has_more", "first_id", "last_id"}
+    assert [set(m) for m in first["data"]] == [{"type", "id", "display_name", "created_at"}] * 3
+    assert first["data"][0]["type"] == "model"
+    assert first["data"][0]["display_name"] == first["data"][0]["id"] == first["first_id"]
+    assert first["data"][0]["created_at"].endswith("Z")
+    assert first["has_more"] is True and first["last_id"] == first["data"][-1]["id"]
+    rest = env.client.get(f"/v1/models?limit=3&after_id={first['last_id']}", headers=headers).json()
+    assert rest["has_more"] is False and len(rest["data"]) == 1
+    listed = {m["id"] for m in first["data"] + rest["data"]}
+    assert listed == {"tiny-chat", "tiny", "minilm-embed", "all-minilm-l6-v2"}
+    one = env.client.get("/v1/models/tiny", headers=headers).json()
+    assert one == {"type": "model", "id": "tiny", "display_name": "tiny",
+                   "created_at": first["data"][0]["created_at"]}
+    bad = env.client.get("/v1/models?after_id=nope", headers=headers)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "after_id"
+
+
 # ---- model answers relayed by the real Forwarder ----------------------------------------------
 def test_stream_is_relayed_as_event_stream(env: Env) -> None:
     env.models.items = [
@@ -387,4 +426,20 @@ def test_unreachable_model_is_503_with_retry_after(env: Env) -> None:
     resp = env.post("/v1/chat/completions", CHAT, key=env.all_key)
     err = _error(resp, 503, "service_unavailable")
     assert err["type"] == "server_error"
-    assert resp.headers["retry-after"] == "3"
+    assert resp.headers["retry-after"] == "3"  # the gateway's retry_after_s
+    # Admitted, then refused by the model: the answer still tells the key's limits.
+    assert resp.headers["x-ratelimit-limit-requests"] == "1000"
+    assert resp.headers["x-ratelimit-remaining-requests"] == "999"
+
+
+def test_anthropic_limit_headers_only_on_the_messages_routes(env: Env) -> None:
+    messages = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    for path, body in (("/v1/messages", messages), ("/v1/messages/count_tokens", messages),
+                       ("/v1/chat/completions", CHAT)):
+        resp = env.post(path, body, key=env.all_key)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-ratelimit-limit-tokens"] == "1000000"
+        anthropic = {h for h in resp.headers if h.startswith("anthropic-ratelimit-")}
+        assert anthropic == ({f"anthropic-ratelimit-{kind}-{part}" for kind in ("requests", "tokens")
+                              for part in ("limit", "remaining", "reset")}
+                             if path.startswith("/v1/messages") else set()), path

@@ -129,6 +129,31 @@ def test_concurrent_admissions_never_overshoot(backend) -> None:
     assert run(go()) == 10
 
 
+def test_peek_reports_every_counter_as_it_stands_and_charges_nothing(backend) -> None:
+    """A refused admission stops at the first full counter; ``peek`` reads them all, so that a
+    refused request's answer still tells its limits (those after the full one included)."""
+    rpm, tpm = Charge("p:rpm", 1, 2), Charge("p:tpm", 300, 1000)
+    gauge = Charge("p:conc", 1, 4, gauge=True)
+
+    async def go():
+        for _ in range(2):
+            await backend.admit([gauge, rpm, tpm], 0.0)
+        refused = await backend.admit([gauge, rpm, tpm], 10.0)
+        first = await backend.peek([gauge, rpm, tpm], 10.0)
+        again = await backend.peek([gauge, rpm, tpm], 10.0)
+        return refused, first, again
+
+    refused, first, again = run(go())
+    assert not refused.allowed and len(refused.remaining) == 2  # the tpm counter unread
+    assert first == again  # peeking charged nothing
+    # 2 slots held; rpm spent; 600 tokens charged at 0 s, of which 10 s refilled 166.
+    assert first.remaining == [2, 0, 566]
+    # Seconds until full: two requests at 30 s each, less the 10 s gone; 600 tokens at 0.06 s each.
+    assert first.reset_s == pytest.approx([0.0, 50.0, 26.0])
+    nothing = run(backend.peek([Charge("fresh:rpm", 1, 5)], 10.0))
+    assert nothing.remaining == [5] and nothing.reset_s == [0.0]
+
+
 @pytest.mark.parametrize(("store", "replicas", "redis_url", "kind"), [
     ("auto", 1, "redis://127.0.0.1:1/0", MemoryBackend),  # one replica: exact in memory, no round trip
     ("auto", 2, "redis://127.0.0.1:1/0", RedisBackend),   # several: shared

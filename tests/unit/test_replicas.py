@@ -102,7 +102,7 @@ def test_with_one_replica_batch_is_shed_at_its_share_and_premium_is_not() -> Non
     premium = _admit_many(adm, PREMIUM, 40)
     assert sum(not isinstance(r, Exception) for r in premium) == 44 - 10  # up to the capacity
     refused = [r for r in premium if isinstance(r, Exception)]
-    assert refused and all(type(r) is errors.ServiceUnavailable for r in refused)
+    assert refused and all(type(r) is errors.Overloaded for r in refused)
 
 
 def test_a_model_with_no_running_replica_is_admitted_for_the_outage_guard_to_hold() -> None:

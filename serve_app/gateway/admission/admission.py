@@ -2,7 +2,8 @@
 
 ``Admission.enter`` is the one way in, and gives a ``Pass`` (``ledger``) whose ``exit`` is the one
 way out: release, charge what ran, refund what never ran, usage and metrics, exactly once. A request
-that may not run gets one ``errors.Refused`` (429 or 503, with ``Retry-After``), recorded as a
+that may not run gets one ``errors.Refused`` (429 or 503, with ``Retry-After`` and the key's limit
+headers), recorded as a
 rejection, and holds nothing. A cancellation at any await of ``enter`` (the limit charge, the
 budget reservation, the flow queue) gives back what was taken: a charge or reservation that
 completes after its caller left is undone in the background.
@@ -48,7 +49,7 @@ from serve_app.gateway.admission.ledger import Pass
 from serve_app.gateway.admission.limits import Charge, LimitBackend, clock
 from serve_app.gateway.admission.tiers import TierPolicy
 from serve_app.gateway.routing.replicas import LiveReplicas
-from serve_app.protocol import MAX_TOKENS_FIELDS, Endpoint
+from serve_app.protocol import MAX_TOKENS_FIELDS, Dialect, Endpoint
 
 _BYTES_PER_TOKEN = 4  # a rough prompt estimate for the reservation; settled to the truth later
 T = TypeVar("T")
@@ -127,6 +128,7 @@ class Admission:
             self._refuse_if_draining()
             ticket = await self.admit(key, model_ids, body, body_bytes, endpoint=endpoint)
         except errors.Refused as exc:
+            await self._with_limits(exc, key, endpoint)
             await usage.rejected(key, primary, rejection_reason(exc))
             raise
         hold: BudgetHold | None = None
@@ -145,6 +147,7 @@ class Admission:
         except BaseException as exc:
             await asyncio.shield(self._give_back(ticket, hold))
             if isinstance(exc, errors.Refused):
+                await self._with_limits(exc, key, endpoint)
                 if waiting:
                     await usage.rejected(key, ticket.model_id, "queue_timeout")
                 else:
@@ -157,10 +160,17 @@ class Admission:
         entry.budget = hold
         return entry
 
+    async def _with_limits(self, exc: errors.Refused, key: KeyRecord, endpoint: Endpoint) -> None:
+        """Add the key's limit headers to its refusal, as they stand after it (what it took is
+        given back): an agent paces itself by them on a 429 or 503 as on a 200."""
+        exc.headers.update(await charge.standing(
+            self.backend, key, self.tiers.key_limits(key), self.tiers.tier(key).limits,
+            endpoint.dialect, clock()))
+
     def _refuse_if_draining(self) -> None:
         if self.drain is not None and self.drain.draining:
-            raise errors.ServiceUnavailable("the server is shutting down; retry shortly",
-                                            retry_after_s=self.cfg.gateway.http.retry_after_s)
+            raise errors.ShuttingDown("the server is shutting down; retry shortly",
+                                      retry_after_s=self.cfg.gateway.http.retry_after_s)
 
     async def _give_back(self, ticket: Ticket, hold: BudgetHold | None) -> None:
         """Release a ticket and a budget hold that never ran (idempotent: both settle once)."""
@@ -199,6 +209,7 @@ class Admission:
 
         ``endpoint`` names the body's max-token fields; without it, every endpoint's are read."""
         fields = endpoint.max_tokens_fields if endpoint is not None else MAX_TOKENS_FIELDS
+        dialect: Dialect = endpoint.dialect if endpoint is not None else "openai"
         budget = self.tiers.clamp_max_tokens(body, key, fields)
         prompt = math.ceil(body_bytes / _BYTES_PER_TOKEN)
         tier = self.tiers.tier(key)
@@ -210,7 +221,7 @@ class Admission:
         try:
             hold = await self._take(
                 charge.charge(self.backend, key, self.tiers.key_limits(key), tier.limits,
-                              reserve, budget.field, clock()),
+                              reserve, budget.field, clock(), dialect),
                 lambda h: charge.refund(self.backend, h.gauges, h.token_charges, reserve, 0, clock()))
         except BaseException:
             self.flow.withdraw(waiter)

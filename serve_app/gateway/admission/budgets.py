@@ -5,7 +5,8 @@ the settled usage plus the reservations of requests in flight, is under the budg
 reservation (the same one the TPM limit takes: completion bound plus prompt estimate) is then
 added, and settled against the engine's real count when the request ends. So the spend can pass
 the budget only by what the requests in flight at that moment use, and a spent budget answers
-429 ``insufficient_quota`` until the period ends.
+429 ``insufficient_quota`` until the period ends, with the seconds to that end as ``Retry-After``
+(and ``x-should-retry: false``: ``errors.QuotaExceeded``).
 
 The counters live in a ``state.budgets.BudgetBackend``: Redis when replicas share one
 (``gateway.state.redis_url``), else SQLite in ``gateway.state.dir`` (durable, and shared by the replicas
@@ -15,6 +16,7 @@ of one host), else memory; ``state.open_state`` picks it.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -96,10 +98,11 @@ class Budgets:
         if failed >= 0:
             c = counters[failed]
             what = "this key" if c.scope == "key" else f"tenant {key.tenant_id!r}"
+            wait = datetime.fromisoformat(c.resets_at).timestamp() - self.clock()
             raise errors.QuotaExceeded(
                 f"You exceeded the token budget of {what} ({c.limit} tokens per "
                 f"{c.name.split(':')[2]}); it resets at {c.resets_at}.",
-                headers=_headers(counters, values),
+                headers={**_headers(counters, values), "Retry-After": str(max(1, math.ceil(wait)))},
             )
         after = [v + tokens for v in values]
         return BudgetHold(self, [c.name for c in counters], tokens, _headers(counters, after))

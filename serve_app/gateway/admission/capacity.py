@@ -101,7 +101,7 @@ class Capacity:
         retry = self.cfg.gateway.http.retry_after_s
         capacity, saturation = self.bounds(model_id)
         if capacity is not None and load >= capacity:
-            return errors.ServiceUnavailable(
+            return errors.Overloaded(
                 f"model {model_id!r} is at capacity ({capacity} requests running or queued). "
                 "Retry shortly.",
                 retry_after_s=retry,

@@ -367,7 +367,7 @@ class Flow:
         refusal = self.capacity.refusal(model_id, tier_name, tier, waiting)
         if refusal is None and q is not None and not self._free(model_id, tier.priority):
             if waiting >= self._models[model_id].flow.max_waiting:
-                return errors.ServiceUnavailable(
+                return errors.Overloaded(
                     f"model {model_id!r} has {waiting} requests waiting at the gateway. "
                     "Retry shortly.", retry_after_s=self.cfg.gateway.http.retry_after_s)
         return refusal
@@ -399,7 +399,7 @@ class Flow:
         if refusal is not None:
             raise refusal
         if not self._free(model_id, tier.priority):
-            raise errors.ServiceUnavailable(
+            raise errors.Overloaded(
                 f"model {model_id!r} has requests waiting at the gateway. Retry shortly.",
                 retry_after_s=self.cfg.gateway.http.retry_after_s)
         self.capacity.inflight[model_id] += 1
@@ -488,7 +488,7 @@ class Flow:
                 self.withdraw(w)
                 raise
         if w.state == "expired":
-            raise errors.ServiceUnavailable(
+            raise errors.QueueTimeout(
                 f"model {w.model_id!r} is busy: the request waited {w.wait_s:g} s at the gateway "
                 f"(tier {w.tier!r}'s bound). Retry shortly.",
                 retry_after_s=self.cfg.gateway.http.retry_after_s)

@@ -34,16 +34,24 @@ class TierPolicy:
     def __init__(self, cfg: AppConfig) -> None:
         self.cfg = cfg
 
+    def name(self, key: KeyRecord) -> str:
+        """The tier that holds for ``key``: its own, or ``default_tier`` for a name not configured."""
+        return key.tier if key.tier in self.cfg.tiers else self.cfg.default_tier
+
     def tier(self, key: KeyRecord) -> TierConfig:
-        return self.cfg.tiers.get(key.tier) or self.cfg.tiers[self.cfg.default_tier]
+        return self.cfg.tiers[self.name(key)]
 
     def key_limits(self, key: KeyRecord) -> Limits:
         return self.tier(key).key_limits.merged(key.limits)
 
+    def max_tokens_cap(self, key: KeyRecord) -> int | None:
+        """The most completion tokens a request of ``key`` gets: its own cap, else its tier's."""
+        return self.key_limits(key).max_tokens_cap or self.tier(key).limits.max_tokens_cap
+
     def clamp_max_tokens(self, body: dict[str, Any], key: KeyRecord, fields: Sequence[str]) -> Budget:
         """Apply the tier's cap to the first of ``fields`` the body sets (else to the first of
         ``fields``); return the completion tokens to reserve."""
-        cap = self.key_limits(key).max_tokens_cap or self.tier(key).limits.max_tokens_cap
+        cap = self.max_tokens_cap(key)
         name, value = requested_max_tokens(body, fields)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise errors.InvalidRequest(f"{name} must be a positive integer", param=name)

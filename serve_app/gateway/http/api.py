@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
@@ -20,12 +20,14 @@ from serve_app.gateway.accounting.timing import ArrivalStamp, StageClock
 from serve_app.gateway.accounting.tracecontext import TraceContext
 from serve_app.gateway.accounting.usage import Usage
 from serve_app.gateway.admission.budgets import Budgets
+from serve_app.gateway.admission.tiers import TierPolicy
 from serve_app.gateway.http.admin import mount_admin
 from serve_app.gateway.http.answers import to_response
+from serve_app.gateway.http.models import ModelCards
 from serve_app.gateway.http.read import read_capped, require_json
 from serve_app.gateway.keys import access
 from serve_app.gateway.pipeline import Pipeline
-from serve_app.gateway.routing.router import Route, Router
+from serve_app.gateway.routing.router import Router
 from serve_app.protocol import BY_PATH, ENDPOINTS, Endpoint, render_error
 from serve_app.state.keys import KeyStore
 
@@ -81,6 +83,7 @@ def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> F
     app = FastAPI(title="serve-app gateway", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
     app.state.deps = deps
+    cards = ModelCards(deps.cfg, TierPolicy(deps.cfg), deps.created)
 
     def model_route(endpoint: Endpoint) -> Any:
         """The generic route of a model endpoint: read the JSON body, hand it to the pipeline."""
@@ -114,11 +117,15 @@ def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> F
 
     @app.get("/v1/models")
     async def list_models(
-        limit: int | None = Query(None, ge=1), key: KeyRecord = Depends(authenticate),
+        limit: int | None = Query(None, ge=1), after_id: str | None = Query(None),
+        anthropic_version: str | None = Header(None), key: KeyRecord = Depends(authenticate),
         d: GatewayDeps = Depends(get_deps),
     ) -> dict[str, Any]:
-        cards = [_model_card(r, d.created) for r in d.router.visible(key)]
-        return {"object": "list", "data": cards[:limit] if limit else cards}
+        """The models the key may use; in Anthropic's shape for an Anthropic client."""
+        routes = d.router.visible(key)
+        if anthropic_version is not None:
+            return cards.anthropic_listing(routes, limit, after_id)
+        return cards.listing(routes, key, limit)
 
     @app.get("/v1/usage")
     async def usage(
@@ -133,9 +140,13 @@ def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> F
 
     @app.get("/v1/models/{model:path}")
     async def get_model(
-        model: str, key: KeyRecord = Depends(authenticate), d: GatewayDeps = Depends(get_deps)
+        model: str, anthropic_version: str | None = Header(None),
+        key: KeyRecord = Depends(authenticate), d: GatewayDeps = Depends(get_deps),
     ) -> dict[str, Any]:
-        return _model_card(d.router.resolve(model, key), d.created)
+        route = d.router.resolve(model, key)
+        if anthropic_version is not None:
+            return cards.anthropic_card(route)
+        return cards.card(route, key)
 
     for endpoint in ENDPOINTS.values():
         app.add_api_route(endpoint.path, model_route(endpoint), methods=["POST"])
@@ -150,17 +161,6 @@ def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> F
     # Outermost, so the arrival is taken before any of the gateway's own code runs.
     app.add_middleware(ArrivalStamp)
     return app
-
-
-def _model_card(route: Route, created: int) -> dict[str, Any]:
-    return {
-        "id": route.name,
-        "object": "model",
-        "created": created,
-        "owned_by": "serve-app",
-        "root": route.model_id,
-        "parent": None if route.name == route.model_id else route.model_id,
-    }
 
 
 def error_response(exc: errors.ServeAppError, request: Request | None = None) -> JSONResponse:
