@@ -32,6 +32,7 @@ QUEUE_WAIT = exported("queue_wait_seconds")
 FLOW_BOUND = exported("flow_inflight_bound")
 ROUTING = exported("routing_decisions_total")
 AUDIT = exported("audit_events_total")
+MODEL_REQUESTS = exported("model_requests")
 
 
 @dataclass(frozen=True)
@@ -200,9 +201,10 @@ def affinity_panels() -> list[Panel]:
 def capacity_board(cfg: AppConfig) -> Board:
     ongoing = [
         Panel(f"{m.id}: ongoing requests per replica", "short", (
-            Target(f'max by (replica) (ray_serve_replica_processing_queries{{deployment="{m.deployment_name}"}})',
-                   "{{replica}}"),), threshold=float(m.deployment.max_ongoing_requests),
-              description=f"Against max_ongoing_requests ({m.deployment.max_ongoing_requests}).")
+            Target(f'sum by (replica, state) ({MODEL_REQUESTS}{{deployment="{m.deployment_name}"}})',
+                   "{{replica}} {{state}}"),), threshold=float(m.deployment.max_ongoing_requests),
+              description=f"Running (at most max_ongoing_requests, "
+                          f"{m.deployment.max_ongoing_requests}) and waiting in the replica.")
         for m in cfg.models
     ]
     return Board("serve-app-capacity", "serve-app / Capacity",
@@ -216,8 +218,9 @@ def capacity_board(cfg: AppConfig) -> Board:
                 Target("sum by (deployment) (ray_serve_deployment_replica_healthy)",
                        "{{deployment}} healthy"),
             )),
-            Panel("Queued requests (in handles, not yet routed)", "short", (
-                Target("sum by (deployment) (ray_serve_deployment_queued_queries)", "{{deployment}}"),)),
+            Panel("Requests waiting in model replicas", "short", (
+                Target(f'sum by (deployment) ({MODEL_REQUESTS}{{state="waiting"}})', "{{deployment}}"),),
+                  description="Past max_ongoing_requests, in each replica's own queue."),
         ]),
         ("Ongoing requests", ongoing),
         ("Front end: event loops and CPU", [

@@ -83,6 +83,10 @@ METRICS: dict[str, dict[str, Any]] = {
                                         "key's home), new (first sighting of its key), spill "
                                         "(home over the load bound; the key re-homes), none "
                                         "(no key)."},
+    "model_requests": {"kind": "gauge", "labels": ("deployment", "replica", "state"),
+                       "help": "Requests a model replica has taken from gateways (its own endpoint, "
+                               "serve_app.engine.endpoint): state=running (within "
+                               "max_ongoing_requests) or waiting (queued in the replica)."},
     "audit_events_total": {"kind": "counter", "labels": ("action", "result"),
                            "help": "Audited events: admin API actions and failed authentications "
                                    "(action=auth_failed), by result."},
@@ -128,8 +132,6 @@ ENGINE_METRICS: dict[str, str] = {
 # Ray Serve's own metrics (Ray 2.60), as scraped from the same export.
 SERVE_METRICS: dict[str, str] = {
     "ray_serve_deployment_replica_healthy": "gauge",
-    "ray_serve_replica_processing_queries": "gauge",
-    "ray_serve_deployment_queued_queries": "gauge",
     "ray_serve_autoscaling_target_replicas": "gauge",
     "ray_serve_num_ongoing_requests_at_replicas": "gauge",
 }
@@ -362,6 +364,25 @@ class RouterMetrics:
 
     def routed(self, *, deployment: str, decision: str) -> None:
         self.decisions.inc(1, tags={"deployment": deployment, "decision": decision})
+
+
+@dataclass
+class ModelRequestMetrics:
+    """A model replica's requests running and waiting (``engine.deployment`` sets it each second:
+    the gateway's requests do not cross Ray Serve's handles, so Ray's own gauges do not see them)."""
+
+    requests: Gauge
+    tags: dict[str, str]
+
+    @classmethod
+    def for_this_replica(cls) -> ModelRequestMetrics:
+        process = ProcessMetrics.for_this_replica("model").tags
+        return cls(_made("model_requests"), {"deployment": process["deployment"],
+                                             "replica": process["replica"]})
+
+    def seen(self, *, running: int, waiting: int) -> None:
+        self.requests.set(running, tags={**self.tags, "state": "running"})
+        self.requests.set(waiting, tags={**self.tags, "state": "waiting"})
 
 
 @dataclass

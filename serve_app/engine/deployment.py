@@ -25,7 +25,7 @@ from serve_app.engine.endpoint import ModelEndpoint
 from serve_app.engine.server import EngineServer
 from serve_app.engine.sources import resolve_source
 from serve_app.engine.synthetic import SyntheticServer
-from serve_app.metrics import ProcessMetrics
+from serve_app.metrics import ModelRequestMetrics, ProcessMetrics
 from serve_app.protocol import ENDPOINTS, Head, RequestContext
 from serve_app.runtime import logflush
 from serve_app.runtime.procwatch import LoopWatch
@@ -33,6 +33,7 @@ from serve_app.runtime.registry import MODEL_HOST_ENV, registry
 
 logger = logging.getLogger("ray.serve")
 REGISTER_EVERY_S = 5.0
+REQUESTS_GAUGE_EVERY_S = 1.0
 DRAIN_MARGIN_S = 2.0  # Ray Serve kills the replica at graceful_shutdown_timeout_s: stop the engine first
 
 
@@ -136,11 +137,13 @@ class ModelServer:
         self._app = context.app_name
         self._registry = registry(self._app)
         self._token: str = await self._registry.token.remote()
-        self.endpoint = ModelEndpoint(self.service.handle, lambda: self._token, endpoint_host())
+        self.endpoint = ModelEndpoint(self.service.handle, lambda: self._token, endpoint_host(),
+                                      self.service.cfg.deployment.max_ongoing_requests)
         await self.endpoint.start()
         self._drain_s = self.service.cfg.deployment.graceful_shutdown_timeout_s
         await self._register()
         self._heartbeat = asyncio.get_running_loop().create_task(self._keep_registered())
+        self._gauges = asyncio.get_running_loop().create_task(self._report_requests())
         logger.info("model %s serves on %s:%d", self.service.cfg.id, self.endpoint.host,
                     self.endpoint.port)
 
@@ -159,9 +162,18 @@ class ModelServer:
                 logger.warning("endpoint not registered: %s", exc.__class__.__name__)
                 self._registry = registry(self._app)
 
+    async def _report_requests(self) -> None:
+        """The requests running and waiting here, each second (``serve_app_model_requests``)."""
+        metrics = ModelRequestMetrics.for_this_replica()
+        while not self.endpoint.draining:
+            ep = self.endpoint
+            metrics.seen(running=ep.running, waiting=ep.in_flight - ep.running)
+            await asyncio.sleep(REQUESTS_GAUGE_EVERY_S)
+
     async def stats(self) -> dict[str, Any]:
-        return {**self.service.stats(), "in_flight": self.endpoint.in_flight,
-                "served": self.endpoint.served, "endpoint": f"{self.endpoint.host}:{self.endpoint.port}"}
+        ep = self.endpoint
+        return {**self.service.stats(), "in_flight": ep.in_flight, "running": ep.running,
+                "served": ep.served, "endpoint": f"{ep.host}:{ep.port}"}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's hook for custom autoscaling metrics (autoscale.ObjectivePolicy reads them):

@@ -6,9 +6,13 @@ token is not the application's (``runtime.registry``) is refused before its body
 than its frame. When the gateway closes the connection before the end (its client went away), the
 request is cancelled, which aborts it in vLLM.
 
-``in_flight`` counts the requests being answered here: it goes back to the gateway in each head (the
-affinity router's load guard counts other gateways' requests with it) and to the autoscaling
-policy (``record_autoscaling_stats``), since Ray Serve no longer sees these requests. ``drain``
+At most ``max_ongoing`` requests run at once (the deployment's ``max_ongoing_requests``, which Ray
+Serve enforced when requests crossed its handles); the others wait here in arrival order, as they
+waited in Ray Serve's queue, and that wait counts in the replica's TTFT and wait figures
+(``ModelService.handle`` starts a request when it leaves the queue). ``in_flight`` counts the
+requests taken here, waiting or running: it goes back to the gateway in each head (the affinity
+router's load guard counts other gateways' requests with it) and to the autoscaling policy
+(``record_autoscaling_stats``), since Ray Serve no longer sees these requests. ``drain``
 stops taking requests (each is refused, and the gateway tries another replica: nothing ran) and
 waits for those in flight, which is how a rolling update or a scale-down lets streams finish.
 """
@@ -37,12 +41,15 @@ class Handler(Protocol):
 class ModelEndpoint:
     """Serves ``handle`` on ``host`` (a free port), checking each request's token."""
 
-    def __init__(self, handle: Handler, token: Callable[[], str], host: str) -> None:
+    def __init__(self, handle: Handler, token: Callable[[], str], host: str,
+                 max_ongoing: int) -> None:
         self._handle = handle
+        self._slots = asyncio.Semaphore(max_ongoing)
         self._token = token  # the registry's current token (it may change if the registry restarts)
         self.host = host
         self.port = 0
-        self.in_flight = 0
+        self.in_flight = 0  # taken: waiting for a slot or running
+        self.running = 0
         self.served = 0
         self.draining = False
         self._server: asyncio.Server | None = None
@@ -107,9 +114,14 @@ class ModelEndpoint:
         hung_up.add_done_callback(on_hang_up)
         answer = self._handle(req["endpoint"], req["body"], req["ctx"])
         try:
-            async for value in answer:
-                writer.write(wire.item(value, self.in_flight))
-                await writer.drain()
+            async with self._slots:  # a hang-up while it waits cancels it here
+                self.running += 1
+                try:
+                    async for value in answer:
+                        writer.write(wire.item(value, self.in_flight))
+                        await writer.drain()
+                finally:
+                    self.running -= 1
             writer.write(wire.frame(wire.END, b""))
             await writer.drain()
         except asyncio.CancelledError:

@@ -48,8 +48,8 @@ class Model:
             self.closed.set()
 
 
-async def _endpoint(model: Model, token: str = TOKEN) -> ModelEndpoint:
-    ep = ModelEndpoint(model.handle, lambda: token, "127.0.0.1")
+async def _endpoint(model: Model, token: str = TOKEN, max_ongoing: int = 64) -> ModelEndpoint:
+    ep = ModelEndpoint(model.handle, lambda: token, "127.0.0.1", max_ongoing)
     await ep.start()
     return ep
 
@@ -261,3 +261,34 @@ def test_affinity_keeps_a_session_on_one_replica() -> None:
 
     _run(scenario())
 
+
+
+def test_requests_past_max_ongoing_wait_in_arrival_order_and_a_hang_up_leaves_the_queue() -> None:
+    """The deployment's max_ongoing_requests: the third request starts only when one of the two
+    running ends; one that hangs up while it waits never reaches the model."""
+    async def scenario() -> None:
+        model = Model([head(200, b"data: 1\n\n", stream=True), None])
+        ep = await _endpoint(model, max_ongoing=2)
+        client = _client({"r": ("127.0.0.1", ep.port)})
+        running = [client.call("chat", {"n": i}, CTX) for i in range(2)]
+        for call in running:
+            await call.__anext__()
+        waiting = client.call("chat", {"n": 2}, CTX)
+        gone = client.call("chat", {"n": 3}, CTX)
+        third = asyncio.create_task(waiting.__anext__())
+        fourth = asyncio.create_task(gone.__anext__())
+        await asyncio.sleep(0.3)
+        assert not third.done() and ep.in_flight == 4  # taken, waiting for a slot
+        assert len(model.calls) == 2
+        fourth.cancel()  # its client went away while it waited
+        gone.cancel()
+        await asyncio.sleep(0.2)
+        assert ep.in_flight == 3
+        running[0].cancel()  # a slot frees
+        assert (await asyncio.wait_for(third, 2))["status"] == 200
+        assert [c[1] for c in model.calls] == [{"n": 0}, {"n": 1}, {"n": 2}]
+        for call in (running[1], waiting):
+            call.cancel()
+        ep.close()
+
+    _run(scenario())
