@@ -1,8 +1,9 @@
 """The gateway ingress deployment: builds its collaborators and serves ``api.build_api``.
 
 Each model is called through ``routing.direct.DirectClient``: the gateway picks the replica
-(``routing.placement``) and streams from that replica's own endpoint. The model deployments' Serve
-handles are kept only for what is not a request (``serve-app diagnose`` reads their stats)."""
+(``routing.placement``) and streams from that replica's own endpoint; the model deployments' Serve
+handles only tie them into the application (``serve-app diagnose`` reads their stats through Ray
+Serve)."""
 
 from __future__ import annotations
 
@@ -64,12 +65,11 @@ class Gateway:
     async def __init__(  # type: ignore[misc]
         self, app_config: dict[str, Any], handles: dict[str, Any], created: int | None = None,
     ) -> None:
-        """``handles``: the model deployments' Serve handles (bound by ``app.py``), for
-        diagnostics only; requests go to the replicas' endpoints."""
+        """``handles``: the model deployments' Serve handles, bound by ``app.py`` so that Ray Serve
+        deploys the models with the gateway; requests go to the replicas' endpoints instead."""
         logflush.install()  # warnings and errors reach the replica log at once
         cfg = AppConfig.model_validate(app_config)
         deployments = {m.id: m.deployment_name for m in cfg.models}
-        self.handles = handles
         # Every connection and store of this replica; the lifespan closes it once.
         self.state = state = open_state(cfg)
         self.budgets = Budgets(state.budgets, dict(cfg.gateway.accounting.tenant_budgets), time.time)
