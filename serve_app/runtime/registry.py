@@ -53,6 +53,10 @@ class EndpointRegistry:
 _actor_class: Any = None
 
 
+def actor_name(app_name: str) -> str:
+    return f"endpoints:{app_name}"
+
+
 def registry(app_name: str) -> Any:
     """The application's registry actor, created on first use (by whichever replica starts first).
     If it is lost, the next call makes a new one; model replicas fill it again within
@@ -62,6 +66,6 @@ def registry(app_name: str) -> Any:
         # On the head node (where Ray Serve's controller runs), not on a model node that may go.
         _actor_class = ray.remote(num_cpus=0, resources={HEAD_NODE_RESOURCE: 0.001})(EndpointRegistry)
     return _actor_class.options(
-        name=f"endpoints:{app_name}", namespace=NAMESPACE, lifetime="detached",
+        name=actor_name(app_name), namespace=NAMESPACE, lifetime="detached",
         get_if_exists=True,
     ).remote()

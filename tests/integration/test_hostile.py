@@ -65,6 +65,40 @@ def test_deep_json_and_lone_surrogates_are_400_naming_the_field(stack) -> None:
     assert time.monotonic() - t0 < 10
 
 
+def _model_call(serve_handles, endpoint: str, body: dict, ctx: dict,
+                token: str | None = None) -> dict | None:
+    """The head of one request sent to the tiny-chat replica's endpoint in the gateway's frames
+    (the JSON written by the standard library, which writes what the gateway never would), or
+    None if the replica hung up without answering."""
+    import asyncio
+
+    import ray
+
+    from serve_app import wire
+    from serve_app.config import APP_NAME
+    from serve_app.runtime.registry import NAMESPACE, actor_name
+
+    host, port = serve_handles("model-tiny-chat").stats.remote().result(timeout_s=30)["endpoint"].rsplit(":", 1)
+    if token is None:
+        token = ray.get(ray.get_actor(actor_name(APP_NAME), namespace=NAMESPACE).token.remote())
+
+    async def call() -> dict | None:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(wire.frame(wire.REQUEST, json.dumps(
+            {"token": token, "endpoint": endpoint, "body": body, "ctx": ctx}).encode()))
+        try:
+            kind, payload = await wire.read_frame(reader)
+        except asyncio.IncompleteReadError:
+            return None
+        finally:
+            writer.close()
+            await writer.wait_closed()
+        assert kind != wire.REFUSED, f"refused: {payload!r}"
+        return wire.decode(kind, payload)
+
+    return asyncio.run(call())
+
+
 def test_engine_refuses_what_vllm_would_leak_and_nothing_stays_unfinished(stack, serve_handles) -> None:
     auth = {"Authorization": f"Bearer {stack.keys['all']}"}
     r = httpx.post(f"{stack.base_url}/chat/completions", headers=auth, timeout=30,
@@ -77,14 +111,17 @@ def test_engine_refuses_what_vllm_would_leak_and_nothing_stays_unfinished(stack,
     r = httpx.post(f"{stack.base_url}/chat/completions", headers=auth, timeout=30,
                    json={**CHAT, "top_k": 2**40})
     assert _error(r, 400)["param"] == "top_k"
-    # Straight to the model deployment (no gateway parsing in front): its own checks answer.
-    engine = serve_handles("model-tiny-chat").options(stream=True)
+    # Straight to the model replica's own endpoint (no gateway parsing in front): its own checks
+    # answer; a lone surrogate is not even read (the frame's JSON parser refuses it and the
+    # replica hangs up). Without the app's token it answers nothing at all.
     ctx = RequestContext("hostile-1", "k", "premium").to_dict()
-    for field, value in (("top_k", 2**70), ("stop", ["\ud800"]), ("structured_outputs", 3)):
-        gen = engine.handle.remote("chat", {**CHAT, field: value}, ctx)
-        first = next(iter(gen))
-        gen.cancel()
-        assert first["status"] == 400 and json.loads(first["body"])["error"]["param"] == field
+    for field, value in (("top_k", 2**70), ("structured_outputs", 3)):
+        first = _model_call(serve_handles, "chat", {**CHAT, field: value}, ctx)
+        assert first is not None and first["status"] == 400, (field, first)
+        assert json.loads(first["body"])["error"]["param"] == field
+    assert _model_call(serve_handles, "chat", {**CHAT, "stop": ["\ud800"]}, ctx) is None
+    with pytest.raises(AssertionError, match="refused"):
+        _model_call(serve_handles, "chat", CHAT, ctx, token="not-the-token")
     deadline = time.monotonic() + 5
     while _unfinished(serve_handles) and time.monotonic() < deadline:
         time.sleep(0.2)
