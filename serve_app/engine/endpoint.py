@@ -38,6 +38,11 @@ class Handler(Protocol):
     def __call__(self, endpoint: str, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Any]: ...
 
 
+def _well_formed(req: dict[str, Any]) -> bool:
+    return (isinstance(req.get("endpoint"), str) and isinstance(req.get("body"), dict)
+            and isinstance(req.get("ctx"), dict))
+
+
 class ModelEndpoint:
     """Serves ``handle`` on ``host`` (a free port), checking each request's token."""
 
@@ -82,6 +87,7 @@ class ModelEndpoint:
             token = req.get("token") if isinstance(req, dict) else None
             refusal = ("token" if not isinstance(token, str)
                        or not hmac.compare_digest(token, self._token())
+                       else "request" if not _well_formed(req)
                        else "draining" if self.draining else None)
             if refusal is not None:
                 writer.write(wire.refused(refusal))

@@ -134,9 +134,17 @@ def test_a_wrong_token_never_reaches_the_model() -> None:
         writer.write(wire.request(TOKEN, "chat", {}, CTX))
         kind, payload = await wire.read_frame(reader)
         assert kind == wire.REFUSED and b"token" in payload
+        writer.close()
+        # The right token on a request of the wrong shape: refused too, never a traceback.
+        ep2 = await _endpoint(model)
+        reader, writer = await asyncio.open_connection("127.0.0.1", ep2.port)
+        writer.write(wire.frame(wire.REQUEST, b'{"token": "t0ken", "endpoint": 3, "body": []}'))
+        kind, payload = await wire.read_frame(reader)
+        assert kind == wire.REFUSED and b"request" in payload
         assert model.calls == []
         writer.close()
         ep.close()
+        ep2.close()
 
     _run(scenario())
 
