@@ -1,7 +1,7 @@
 """Autoscaling on the top tier's objective (serve_app/engine/autoscale.py) on a real Ray cluster.
 
-A load step on one replica brings premium's TTFT p95 to its objective; the policy must ask for a
-second replica within 20 s of the p95 reaching 80 % of the objective, premium must meet its
+A load step on one replica brings premium's TTFT p95 toward its objective; the policy must ask for a
+second replica within 20 s of the p95 reaching half of the objective (its wait trigger), premium must meet its
 objective for at least 90 % of the step's requests, and after the load ends the model goes back to
 one replica and stays there (one scale-up, one scale-down, nothing else) while a trickle goes on.
 
@@ -219,7 +219,11 @@ def test_objective_policy_scales_up_on_premium_ttft_and_back_down_without_flappi
     ttfts = [s.ttft_s for s in step if s.ttft_s is not None]
     met = sum(1 for v in ttfts if v <= OBJECTIVE_S)
     attainment = met / len(ttfts) if ttfts else 0.0
-    crossed = first_crossing(step, t0, 0.8 * OBJECTIVE_S)
+    # Half the objective: the policy's wait trigger (wait_up_at 0.5), which fires first when a
+    # replica's queue builds. Its TTFT trigger is at 80 %, which this step reaches only sometimes
+    # since the queue moved into the replica (issue 37; one run's first phase: p95 0.947 s against
+    # 0.96), because the policy has asked for the second replica on the wait by then.
+    crossed = first_crossing(step, t0, 0.5 * OBJECTIVE_S)
     asked = next((t - t0 for t, active, _ in changes if active >= 2), None)
     counts = [active for i, (_, active, _) in enumerate(changes)
               if i == 0 or active != changes[i - 1][1]]
@@ -230,7 +234,7 @@ def test_objective_policy_scales_up_on_premium_ttft_and_back_down_without_flappi
     print(f"\n[autoscale] objective {OBJECTIVE_S:.2f} s; step {USERS} users x {STEP_S:.0f} s: "
           f"{len(step)} requests, TTFT p50 {sorted(ttfts)[len(ttfts) // 2] if ttfts else 0:.3f} s, "
           f"p95 {p95(ttfts):.3f} s, attainment {attainment:.1%}")
-    print(f"[autoscale] premium p95 reached 80 % of the objective at "
+    print(f"[autoscale] premium p95 reached 50 % of the objective at "
           f"{'never' if crossed is None else f'{crossed:.1f} s'}; second replica asked at "
           f"{'never' if asked is None else f'{asked:.1f} s'} (after the step's start)")
     print(f"[autoscale] after the step: back to 1 replica at "
@@ -244,7 +248,7 @@ def test_objective_policy_scales_up_on_premium_ttft_and_back_down_without_flappi
     _per_phase(step, t0, changes)
 
     assert not errors, errors[:5]
-    assert crossed is not None, "the load step never brought premium's p95 to 80 % of its objective"
+    assert crossed is not None, "the load step never brought premium's p95 to 50 % of its objective"
     assert asked is not None and asked - crossed <= ASK_WITHIN_S, (crossed, asked)
     assert attainment >= 0.9
     assert (ups, downs) == (1, 1), changes
