@@ -173,7 +173,7 @@ def engine_board() -> Board:
             Panel("Engine E2E latency p95", "s", (
                 Target(p95("ray_vllm_e2e_request_latency_seconds"), "{{model_name}}"),)),
         ]),
-        ("Replica affinity (serve_app.engine.router)", affinity_panels()),
+        ("Replica affinity (serve_app.gateway.routing.placement)", affinity_panels()),
     ])
 
 

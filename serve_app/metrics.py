@@ -79,7 +79,7 @@ METRICS: dict[str, dict[str, Any]] = {
                                     "runner holds now."},
     "routing_decisions_total": {"kind": "counter", "labels": ("deployment", "decision"),
                                 "help": "Requests placed by the affinity router "
-                                        "(serve_app.engine.router): decision=affinity (at its "
+                                        "(serve_app.gateway.routing.placement): decision=affinity (at its "
                                         "key's home), new (first sighting of its key), spill "
                                         "(home over the load bound; the key re-homes), none "
                                         "(no key)."},
@@ -354,7 +354,7 @@ class FlowMetrics:
 
 @dataclass
 class RouterMetrics:
-    """The affinity router's decisions (``serve_app.engine.router``), one counter per process."""
+    """The affinity router's decisions (``serve_app.gateway.routing.placement``), one counter per gateway process."""
 
     decisions: Counter
 

@@ -1,9 +1,9 @@
-"""Agent sessions over two model replicas: the affinity router against Ray Serve's default router.
+"""Agent sessions over two model replicas: the affinity router against power of two choices.
 
 ``python -m loadtests.bench.affinity`` (``make bench-affinity``) starts one stack with two copies of
 ``tiny-chat``, each with two replicas whose KV cache is capped (``--kv-mib``, so one replica holds
 only part of the working set): ``tiny-chat`` with ``routing.affinity: on`` and ``tiny-chat-default``
-with ``routing.affinity: off`` (Ray Serve's power of two choices). The same load runs through each:
+with ``routing.affinity: off`` (the gateway's power of two choices, Ray Serve's default policy). The same load runs through each:
 
 - **even**: 8 tenant keys x 2 sessions; each session a ~1,024-token tenant system prompt plus 12
   agent turns (~64 tokens more per turn: the reply and a new user message), the session named by
@@ -342,7 +342,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for load in ("even", "hot"):
-        for model, label in ((AFFINITY, "affinity"), (DEFAULT, "Ray Serve default")):
+        for model, label in ((AFFINITY, "affinity"), (DEFAULT, "power of two choices")):
             r = doc["loads"][load][model]
             e, c = r["engine"], r["client"]
             per = " / ".join(str(v) for v in sorted(e["replica_requests"].values(), reverse=True))
@@ -369,7 +369,7 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     loads = ["even", "hot"]
-    sides = ((AFFINITY, "affinity router"), (DEFAULT, "Ray Serve default"))
+    sides = ((AFFINITY, "affinity router"), (DEFAULT, "power of two choices"))
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     metrics = (("hit ratio (vLLM counters)", "engine", "hit_ratio"),
                ("TTFT p50, ms", "client", "ttft_p50_ms"),

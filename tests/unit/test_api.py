@@ -311,7 +311,7 @@ def test_alias_is_forwarded_to_its_model_with_context(env: Env) -> None:
 
 
 def test_session_header_becomes_the_affinity_key(env: Env) -> None:
-    """The model's router reads ctx["affinity"] (engine/router.py): one session, one key, whatever
+    """The gateway's picker reads ctx["affinity"] (gateway/routing/placement.py): one session, one key, whatever
     the turn's messages; another session, another key."""
     sid = {"X-Claude-Code-Session-Id": "s-1"}
     env.post("/v1/chat/completions", CHAT, key=env.all_key, headers=sid)

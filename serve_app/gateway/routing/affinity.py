@@ -11,7 +11,7 @@ plus the client's session when it names one, else a hash of the prompt's leading
   blocks of the prompt: requests that share them share cached blocks).
 
 The key is a digest, so no session id or prompt text crosses the handle or reaches a log line.
-``serve_app.engine.router`` reads it from ``RequestContext.affinity``.
+``serve_app.gateway.routing.placement`` reads it from ``RequestContext.affinity``.
 """
 
 from __future__ import annotations
