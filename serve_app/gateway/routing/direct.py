@@ -71,10 +71,11 @@ class DirectClient:
         placement = self.picker.choose(key, list(table))
         if self.on_decision is not None:
             self.on_decision(placement.decision)
-        now = time.monotonic()
-        recent = {r for r, t in self.failed.items() if now - t < FAILED_FOR_S}
-        order = [r for r in placement.order if r not in recent] + \
-                [r for r in placement.order if r in recent]
+        if self.failed:  # only the recent failures are kept: a replica that left is forgotten
+            now = time.monotonic()
+            self.failed = {r: t for r, t in self.failed.items() if now - t < FAILED_FOR_S}
+        order = [r for r in placement.order if r not in self.failed] + \
+                [r for r in placement.order if r in self.failed]
         return [(r, table[r]) for r in order]
 
 
