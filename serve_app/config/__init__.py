@@ -3,7 +3,7 @@
 One module per section of the config file: ``engine`` (how a model runs: engine arguments,
 accelerator, deployment and autoscaling), ``model`` (``models[]`` and ``routes[]``), ``tiers``,
 ``keys`` (key records, budgets and ``gateway.keys``), ``gateway`` and its sections ``http``,
-``state``, ``accounting`` and ``batch``, and ``app`` (the whole ``args`` block
+``state``, ``accounting``, ``batch`` and ``responses``, and ``app`` (the whole ``args`` block
 and its loading); ``base`` holds the strict base model and the error formatting they share.
 Import the names from here.
 """
@@ -24,6 +24,7 @@ from serve_app.config.gateway import GatewayConfig
 from serve_app.config.http import HttpConfig
 from serve_app.config.keys import Budget, KeyRecord, KeysConfig, KeysFile, expiry_time
 from serve_app.config.model import AdmissionConfig, FlowConfig, ModelConfig, RoutingConfig
+from serve_app.config.responses import ResponsesConfig
 from serve_app.config.state import StateConfig
 from serve_app.config.tiers import Limits, Objectives, TierConfig
 
@@ -48,6 +49,7 @@ __all__ = [
     "ModelConfig",
     "ObjectivePolicyConfig",
     "Objectives",
+    "ResponsesConfig",
     "RoutingConfig",
     "StateConfig",
     "SyntheticUpstream",

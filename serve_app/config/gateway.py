@@ -1,5 +1,5 @@
 """The ingress deployment (``gateway``): the deployment itself, and one section per package of the
-gateway: ``http``, ``keys``, ``state``, ``accounting`` and ``batch``."""
+gateway: ``http``, ``keys``, ``state``, ``accounting``, ``batch`` and ``responses``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from serve_app.config.base import _Strict
 from serve_app.config.batch import BatchConfig
 from serve_app.config.http import HttpConfig
 from serve_app.config.keys import KeysConfig
+from serve_app.config.responses import ResponsesConfig
 from serve_app.config.state import StateConfig
 
 
@@ -57,6 +58,10 @@ class GatewayConfig(_Strict):
     )
     batch: BatchConfig = Field(
         default_factory=BatchConfig, description="OpenAI's Batch API (/v1/files, /v1/batches)."
+    )
+    responses: ResponsesConfig = Field(
+        default_factory=ResponsesConfig,
+        description="Stored Responses (store, previous_response_id, background).",
     )
 
     @model_validator(mode="after")

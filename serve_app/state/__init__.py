@@ -13,6 +13,13 @@ from serve_app.state.connections import Connections
 from serve_app.state.files import FileStore, files_root
 from serve_app.state.keys import KeyStore, open_key_store
 from serve_app.state.limits import LimitBackend, open_limits
+from serve_app.state.responses import (
+    RESPONSES_FILE,
+    MemoryResponseStore,
+    RedisResponseStore,
+    ResponseDocs,
+    SqliteResponseStore,
+)
 from serve_app.state.usage import (
     USAGE_FILE,
     MemoryUsageStore,
@@ -32,6 +39,7 @@ class State:
     budgets: BudgetBackend
     limits: LimitBackend
     batches: BatchDocs
+    responses: ResponseDocs
     files: FileStore
     audit: AuditFile | None  # None without gateway.state.dir: audit events are only counted
     keys: KeyStore
@@ -46,7 +54,8 @@ def open_state(cfg: AppConfig) -> State:
     (``gateway.state.redis_url``), else SQLite in ``gateway.state.dir`` (one file, one connection,
     for both), else memory. Limits: by ``gateway.state.limits_store`` (``state/limits.py``).
     Batches: Redis, else JSON files under the files folder, where the files always are
-    (``files_root``). The audit trail: ``<gateway.state.dir>/audit.log``. Keys: by
+    (``files_root``). Stored responses: Redis, else ``responses.sqlite`` in the state folder, else
+    memory. The audit trail: ``<gateway.state.dir>/audit.log``. Keys: by
     ``gateway.keys.store``, not yet loaded (``await state.keys.refresh(force=True)``)."""
     gw = cfg.gateway
     connections = Connections.of(gw.state)
@@ -63,7 +72,15 @@ def open_state(cfg: AppConfig) -> State:
     root = files_root(cfg)
     batches: BatchDocs = (RedisBatchStore(connections.redis()) if gw.state.redis_url
                           else FileBatchStore(root))
+    responses: ResponseDocs
+    if gw.state.redis_url:
+        responses = RedisResponseStore(connections.redis())
+    elif state_dir:
+        responses = SqliteResponseStore(connections.sqlite(RESPONSES_FILE))
+    else:
+        responses = MemoryResponseStore()
     audit = AuditFile(state_dir / AUDIT_FILE, gw.accounting.audit_max_bytes) if state_dir else None
     return State(connections=connections, usage=usage, budgets=budgets,
-                 limits=open_limits(gw, connections), batches=batches, files=FileStore(root),
+                 limits=open_limits(gw, connections), batches=batches, responses=responses,
+                 files=FileStore(root),
                  audit=audit, keys=open_key_store(gw.keys, connections))
