@@ -42,19 +42,16 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _check_stateless(body: dict[str, Any]) -> None:
-    """The gateway keeps no state between requests (and its replicas share none): refuse what
-    would need it, instead of vLLM answering from one replica's memory or not at all."""
+    """A batch line is answered and never stored (the HTTP route stores responses:
+    gateway/responses): refuse what would need a stored response."""
     if body.get("previous_response_id") is not None:
         raise errors.InvalidRequest(
-            "previous_response_id is not supported: this gateway stores no responses; send the "
-            "whole conversation in 'input' (Codex does)", param="previous_response_id")
-    if body.get("store") is True:
-        raise errors.InvalidRequest(
-            "store: true is not supported: this gateway stores no responses; send store: false",
-            param="store")
+            "previous_response_id is not supported in a batch: a batch line is not stored; send "
+            "the whole conversation in 'input'", param="previous_response_id")
     if body.get("background") is True:
         raise errors.InvalidRequest(
-            "background: true is not supported: it needs a stored response", param="background")
+            "background: true is not supported in a batch: a batch runs in the background "
+            "already", param="background")
 
 
 @dataclass(frozen=True)
@@ -84,6 +81,10 @@ class Endpoint:
     # model_dump_json options set to True for a complete answer, as vLLM's own router dumps it.
     dump_flags: tuple[str, ...] = ()
     body_check: BodyCheck | None = None  # refuses, in the gateway, a body it cannot serve
+    # The gateway stores its answers (OpenAI's stored Responses: gateway/responses) and serves
+    # GET/DELETE under the path; its HTTP route is gateway/http/responses.py, not the generic one.
+    stored: bool = False
+    id_prefix: str = ""  # the engine's request id, which the answer's id is, starts with it
 
 
 ENDPOINTS: dict[str, Endpoint] = {
@@ -106,13 +107,14 @@ ENDPOINTS: dict[str, Endpoint] = {
             "vllm.entrypoints.pooling.embed.protocol:EmbeddingRequest",
             "serving_embedding", "__call__",
         ),
-        # OpenAI's Responses API (Codex). Stateless: its route refuses server-side state.
+        # OpenAI's Responses API (Codex). Stored by the gateway (store, previous_response_id,
+        # background); a batch line is not (its body_check).
         Endpoint(
             "responses", "/v1/responses", "generate", "input",
             "vllm.entrypoints.openai.responses.protocol:ResponsesRequest",
             "openai_serving_responses", "create_responses",
             max_tokens_fields=("max_output_tokens",), error_event=True, dump_flags=("by_alias",),
-            body_check=_check_stateless,
+            body_check=_check_stateless, stored=True, id_prefix="resp_",
         ),
         # Anthropic's Messages API (Claude Code), errors in Anthropic's envelope.
         Endpoint(

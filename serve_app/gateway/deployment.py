@@ -31,6 +31,7 @@ from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.http.api import GatewayDeps, build_api
 from serve_app.gateway.outage import OutageGuard
 from serve_app.gateway.pipeline import Pipeline
+from serve_app.gateway.responses.service import StoredResponses
 from serve_app.gateway.routing.direct import DirectClient
 from serve_app.gateway.routing.placement import Picker
 from serve_app.gateway.routing.replicas import LiveReplicas, serve_status_fetch
@@ -107,6 +108,7 @@ class Gateway:
             created=int(time.time()) if created is None else created,
             audit=Audit(state.audit, AuditMetrics.create()),
             budgets=self.budgets,
+            responses=StoredResponses(state.responses, cfg.gateway.responses, state.keys.by_id),
         )
         # OpenAI's Batch API: its routes' service, and this replica's runner, which feeds the
         # lines through this replica's own pipeline (serve_app/batch/runner.py).
@@ -150,6 +152,8 @@ class Gateway:
             nice.cancel()
             keys_poll.cancel()
             await self.batch_runner.stop()
+            if self.deps.responses is not None:
+                await self.deps.responses.close()  # background runs still going are failed, saying why
             await self.watch.stop()
             await self.state.close()
             if self.spans is not None:

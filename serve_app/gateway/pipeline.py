@@ -75,7 +75,7 @@ class Pipeline:
         if admitted.model_id != model_id:
             logger.warning("model %s has no room; falling back to %s", model_id, admitted.model_id)
         ctx = RequestContext(
-            request_id=uuid.uuid4().hex,
+            request_id=endpoint.id_prefix + uuid.uuid4().hex,
             key_id=key.id,
             tier=key.tier,
             priority=admitted.tier.priority,
@@ -100,7 +100,7 @@ class Pipeline:
                         raise
                     logger.warning("model %s unavailable; falling back to %s",
                                    unavailable, admitted.model_id)
-                    ctx = dataclasses.replace(ctx, request_id=uuid.uuid4().hex)
+                    ctx = dataclasses.replace(ctx, request_id=endpoint.id_prefix + uuid.uuid4().hex)
         except BaseException as exc:
             await admitted.exit(_no_answer(exc))
             if isinstance(exc, errors.ServeAppError):  # its answer tells the limits, as any answer

@@ -58,7 +58,8 @@ exec "{binary}" "$@"
 HTTP_REQUEST_TIMEOUT_S = 10
 ALLOWED_METHODS = ("GET", "HEAD", "POST")
 ADMIN_METHODS = ("PATCH", "DELETE")  # also allowed under the admin API (/admin/v1/: update, revoke)
-# DELETE is also allowed on a file (DELETE /v1/files/{id}: a user deletes their own data).
+# DELETE is also allowed on a file or a stored response (DELETE /v1/files/{id},
+# /v1/responses/{id}: a user deletes their own data).
 # The statuses HAProxy can answer itself (its `errorfile` list), with what each says.
 _ERRORS: dict[int, tuple[str, str, str]] = {
     400: ("Bad Request", "invalid_request", "The request could not be parsed as HTTP/1.1."),
@@ -129,7 +130,7 @@ def write_error_files(errors_dir: Path) -> None:
         "    acl serve_app_admin_method method " + " ".join(ADMIN_METHODS),
         "    acl serve_app_admin path_beg /admin/v1/",
         "    acl serve_app_delete method DELETE",
-        "    acl serve_app_file path_reg ^/v1/files/[^/]+$",
+        "    acl serve_app_file path_reg ^/v1/(files|responses)/[^/]+$",
         f"    http-request return status 405 content-type application/json file {errors_dir}/405.json "
         f'hdr Allow "{", ".join(ALLOWED_METHODS)}" '
         "unless serve_app_method || serve_app_admin serve_app_admin_method "

@@ -184,6 +184,39 @@ def test_budget_holds_under_concurrent_load(admin_stack: tuple[Stack, str]) -> N
     assert again.status_code == 429 and again.json()["error"]["code"] == "insufficient_quota"
 
 
+def test_the_openai_sdk_sends_one_request_on_a_spent_budget(admin_stack: tuple[Stack, str]) -> None:
+    """x-should-retry: false on a spent budget: the SDK, with its default retries, stops at the
+    first refusal (counted at the gateway) and raises the gateway's message."""
+    import openai
+
+    stack, admin = admin_stack
+    secret = _create(stack, admin, id="spent", budget={"tokens": 1, "period": "day"})
+    stack.wait_keys(accepted=[secret], timeout_s=5)
+    first = httpx.post(f"{stack.base_url}/chat/completions", headers=_auth(secret), json=CHAT,
+                       timeout=120)  # answered (and overspends the budget) or refused
+    assert first.status_code in (200, 429), first.text
+
+    def rejected() -> int:
+        r = httpx.get(f"{stack.base_url}/usage", headers=_auth(secret), timeout=10).json()
+        return sum(r["rejections"].values())
+
+    before = rejected()
+    client = openai.OpenAI(base_url=stack.base_url, api_key=secret)  # max_retries: 2, the default
+    t0 = time.monotonic()
+    with pytest.raises(openai.RateLimitError) as info:
+        client.chat.completions.create(model="tiny-chat", max_tokens=4,
+                                       messages=[{"role": "user", "content": "hi"}])
+    took = time.monotonic() - t0
+    assert info.value.code == "insufficient_quota" and "budget" in info.value.message
+    assert info.value.response.headers["x-should-retry"] == "false"
+    deadline = time.monotonic() + 5  # the usage is written just after the answer
+    while rejected() < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    assert rejected() == before + 1, "the SDK retried a spent budget"
+    assert took < 5.0, took
+
+
 def test_admin_routes_take_the_hostile_corpus(admin_stack: tuple[Stack, str]) -> None:
     stack, admin = admin_stack
     url = urlsplit(stack.base_url)

@@ -113,6 +113,9 @@ def test_codex_exec(stack: Any, tmp_path: Path) -> None:
     _report("codex", proc, bridge, usage)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "POST /v1/responses" in bridge.requests
+    # Codex tries a WebSocket on /v1/responses only for a provider with supports_websockets =
+    # true (a custom provider's default is false): the recipe pays no failed upgrade.
+    assert not any(r.startswith("GET /v1/responses") for r in bridge.requests), bridge.requests
     assert "404" not in bridge.statuses and "401" not in bridge.statuses
     assert usage["requests"] >= 1 and usage["completion_tokens"] > 0
     assert usage["prompt_tokens"] > 5000  # Codex's instructions and tools reached the model

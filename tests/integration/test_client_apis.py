@@ -71,17 +71,6 @@ def test_responses_codex_shaped_multi_turn(oai: openai.OpenAI) -> None:
     assert r.usage.input_tokens > 40  # the whole history was rendered into the prompt
 
 
-@pytest.mark.parametrize(
-    ("extra", "param"),
-    [({"previous_response_id": "resp_123"}, "previous_response_id"), ({"store": True}, "store")],
-)
-def test_responses_stateful_requests_are_400(oai: openai.OpenAI, extra: dict, param: str) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
-        oai.responses.create(model="tiny-chat", input="hi", max_output_tokens=4, **extra)
-    err = info.value.body
-    assert err["param"] == param and "stores no responses" in err["message"]
-
-
 # ---- Messages API --------------------------------------------------------------------------------
 def test_messages_create_with_x_api_key(claude: anthropic.Anthropic) -> None:
     m = claude.messages.create(model="tiny-chat", max_tokens=16,

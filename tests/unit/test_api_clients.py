@@ -1,5 +1,5 @@
 """The gateway's routes for coding agents over HTTP (TestClient, fake model side): Anthropic's
-envelope on the Messages API routes, the stateless Responses API, the root probe, ?limit=."""
+envelope on the Messages API routes, the Responses API, the root probe, ?limit=."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from serve_app import errors
 from serve_app.protocol import ENDPOINTS
 from tests.unit.test_api import Env, _error
 
@@ -51,14 +52,16 @@ def test_openai_routes_keep_openais_envelope(env: Env) -> None:
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [({"previous_response_id": "resp_1"}, "previous_response_id"), ({"store": True}, "store"),
-     ({"background": True}, "background")],
+    [({"previous_response_id": "resp_1"}, "previous_response_id"), ({"background": True}, "background")],
 )
-def test_responses_refuses_server_side_state(env: Env, extra: dict, param: str) -> None:
-    body = {"model": "tiny-chat", "input": "hi", **extra}
-    err = _error(env.post("/v1/responses", body, key=env.all_key), 400, "invalid_request")
-    assert err["param"] == param and "stor" in err["message"]
-    assert env.models.calls == []
+def test_a_batch_line_refuses_server_side_state(extra: dict, param: str) -> None:
+    """A batch line is never stored: what needs a stored response is refused (the HTTP route
+    stores them: test_stored_responses.py)."""
+    check = ENDPOINTS["responses"].body_check
+    assert check is not None
+    with pytest.raises(errors.InvalidRequest) as exc:
+        check({"model": "tiny-chat", "input": "hi", **extra})
+    assert exc.value.param == param
 
 
 def test_responses_stateless_is_forwarded(env: Env) -> None:

@@ -10,7 +10,7 @@ also those inside functions, so a lazy import cannot hide a dependency.
   the gateway. Neither imports ``serve_app.app`` or ``serve_app.cli``, which wire them together,
   nor the launcher and tools that sit above them (``serve_app.local``, ``serve_app.ops``).
 - Inside ``serve_app/gateway`` the packages are layers, each importing only those below it
-  (``GATEWAY_LAYERS``): deployment -> http -> pipeline -> forward -> outage -> admission -> keys
+  (``GATEWAY_LAYERS``): deployment -> http -> responses -> pipeline -> forward -> outage -> admission -> keys
   -> routing -> accounting. A request's path reads top to bottom, and no lower layer reaches up.
 - ``serve_app/state`` (the connections and stores) imports nothing of the gateway, the engine or
   batch: they use it, never the other way round.
@@ -42,6 +42,7 @@ Violations = dict[str, list[str]]
 GATEWAY_LAYERS = (
     "serve_app.gateway.deployment",
     "serve_app.gateway.http",
+    "serve_app.gateway.responses",
     "serve_app.gateway.pipeline",
     "serve_app.gateway.forward",
     "serve_app.gateway.outage",

@@ -25,11 +25,14 @@ from serve_app.gateway.http.admin import mount_admin
 from serve_app.gateway.http.answers import to_response
 from serve_app.gateway.http.models import ModelCards
 from serve_app.gateway.http.read import read_capped, require_json
+from serve_app.gateway.http.responses import responses_router
 from serve_app.gateway.keys import access
 from serve_app.gateway.pipeline import Pipeline
+from serve_app.gateway.responses.service import StoredResponses
 from serve_app.gateway.routing.router import Router
 from serve_app.protocol import BY_PATH, ENDPOINTS, Endpoint, render_error
 from serve_app.state.keys import KeyStore
+from serve_app.state.responses import MemoryResponseStore
 
 if TYPE_CHECKING:
     from serve_app.batch.routes import BatchService
@@ -52,6 +55,8 @@ class GatewayDeps:
     batch: BatchService | None = None  # /v1/files and /v1/batches (serve_app.batch)
     audit: Audit | None = None  # admin actions and failed authentications (``audit``)
     budgets: Budgets | None = None  # token budgets, reported by /v1/usage (``budgets``)
+    # Stored Responses (gateway/responses); None: kept in this process's memory.
+    responses: StoredResponses | None = None
 
 
 async def get_deps(request: Request) -> GatewayDeps:
@@ -83,6 +88,9 @@ def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> F
     app = FastAPI(title="serve-app gateway", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
     app.state.deps = deps
+    if deps.responses is None:
+        deps.responses = StoredResponses(MemoryResponseStore(), deps.cfg.gateway.responses,
+                                         deps.keys.by_id)
     cards = ModelCards(deps.cfg, TierPolicy(deps.cfg), deps.created)
 
     def model_route(endpoint: Endpoint) -> Any:
@@ -149,7 +157,10 @@ def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> F
         return cards.card(route, key)
 
     for endpoint in ENDPOINTS.values():
-        app.add_api_route(endpoint.path, model_route(endpoint), methods=["POST"])
+        if endpoint.stored:
+            app.include_router(responses_router(endpoint, authenticate, get_deps, read_json))
+        else:
+            app.add_api_route(endpoint.path, model_route(endpoint), methods=["POST"])
     mount_admin(app)
 
     if deps.batch is not None:
