@@ -13,6 +13,7 @@ from serve_app.state.connections import Connections
 from serve_app.state.files import FileStore, files_root
 from serve_app.state.keys import KeyStore, open_key_store
 from serve_app.state.limits import LimitBackend, open_limits
+from serve_app.state.secrets import shared_secret
 from serve_app.state.usage import (
     USAGE_FILE,
     MemoryUsageStore,
@@ -35,6 +36,11 @@ class State:
     files: FileStore
     audit: AuditFile | None  # None without gateway.state.dir: audit events are only counted
     keys: KeyStore
+
+    async def shared_secret(self, name: str) -> bytes | None:
+        """A secret all replicas share, made once (``secrets.shared_secret``); None without Redis
+        or a state dir."""
+        return await shared_secret(self.connections, name)
 
     async def close(self) -> None:
         """At the replica's stop; safe to call twice."""
