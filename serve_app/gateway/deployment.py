@@ -107,6 +107,7 @@ class Gateway:
             created=int(time.time()) if created is None else created,
             audit=Audit(state.audit, AuditMetrics.create()),
             budgets=self.budgets,
+            secrets=state.shared_secret,
         )
         # OpenAI's Batch API: its routes' service, and this replica's runner, which feeds the
         # lines through this replica's own pipeline (serve_app/batch/runner.py).

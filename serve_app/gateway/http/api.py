@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from serve_app.gateway.admission.budgets import Budgets
 from serve_app.gateway.admission.tiers import TierPolicy
 from serve_app.gateway.http.admin import mount_admin
 from serve_app.gateway.http.answers import to_response
+from serve_app.gateway.http.console import mount_console
 from serve_app.gateway.http.models import ModelCards
 from serve_app.gateway.http.read import read_capped, require_json
 from serve_app.gateway.keys import access
@@ -52,6 +54,8 @@ class GatewayDeps:
     batch: BatchService | None = None  # /v1/files and /v1/batches (serve_app.batch)
     audit: Audit | None = None  # admin actions and failed authentications (``audit``)
     budgets: Budgets | None = None  # token budgets, reported by /v1/usage (``budgets``)
+    # A secret every replica shares, by name (``State.shared_secret``): the console's session key.
+    secrets: Callable[[str], Awaitable[bytes | None]] | None = None
 
 
 async def get_deps(request: Request) -> GatewayDeps:
@@ -151,6 +155,7 @@ def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> F
     for endpoint in ENDPOINTS.values():
         app.add_api_route(endpoint.path, model_route(endpoint), methods=["POST"])
     mount_admin(app)
+    mount_console(app)
 
     if deps.batch is not None:
         from serve_app.batch.routes import batch_router
