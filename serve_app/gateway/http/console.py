@@ -116,10 +116,12 @@ async def _signed_in(request: Request) -> Ctx | Response:
 
 async def _form(request: Request) -> dict[str, str]:
     """A urlencoded form's fields (the first value of each), read under ``FORM_LIMIT``."""
+    raw = await read_capped(request, FORM_LIMIT)
+    if not raw:  # a form with no fields (a button alone) may come without a type
+        return {}
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/x-www-form-urlencoded":
         raise errors.UnsupportedMediaType("A console form is sent as application/x-www-form-urlencoded.")
-    raw = await read_capped(request, FORM_LIMIT)
     try:
         fields = parse_qs(raw.decode(), keep_blank_values=True, max_num_fields=32, strict_parsing=False)
     except (UnicodeDecodeError, ValueError):
