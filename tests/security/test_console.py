@@ -150,3 +150,12 @@ def test_pages_forbid_framing_scripts_and_caching(console: Console) -> None:
         assert "frame-ancestors 'none'" in resp.headers["content-security-policy"]
         assert resp.headers["cache-control"] == "no-store"
         assert "<script" not in resp.text
+
+
+def test_a_revoked_record_never_carries_a_session(console: Console) -> None:
+    """Stores hand only active keys to ``by_id``; the signer refuses a revoked record anyway."""
+    root = run(KeyOps(console.admin.deps.keys).get("root"))
+    signer = Signer(_secret(console), 3600)
+    session = signer.read(signer.issue(root))
+    assert session is not None and signer.belongs(session, root)
+    assert not signer.belongs(session, root.model_copy(update={"revoked": True}))
