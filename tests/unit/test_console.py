@@ -176,3 +176,9 @@ def test_the_session_secret_is_shared_through_the_state_dir(tmp_path: Path) -> N
     with TestClient(build_api(a.deps)) as other:  # a new app: its own signer, same state dir
         other.cookies.set("serve_app_console", cookie or "", path="/console")
         assert other.get("/console/keys", follow_redirects=False).status_code == 200
+
+
+def test_the_console_root_leads_to_sign_in_then_to_the_keys(console: Console) -> None:
+    assert console.get("/console").headers["location"] == "/console/signin"
+    console.signin(console.admin.admin)
+    assert console.get("/console").headers["location"] == "/console/keys"
