@@ -13,76 +13,30 @@ another site. Every action goes through the admin API's code (``KeyOps`` inside 
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
-import secrets
 from typing import Any
-from urllib.parse import parse_qs
 
 from fastapi import APIRouter, FastAPI, Request
 from pydantic import ValidationError
-from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.responses import RedirectResponse, Response
 
 from serve_app import errors
 from serve_app.config import KeyRecord, format_validation_error
 from serve_app.gateway.http import console_pages as pages
 from serve_app.gateway.http.admin import NewKey, act_as, check_tier, require_admin, usage_report
-from serve_app.gateway.http.console_session import COOKIE, PATH, Session, Signer, cross_site
+from serve_app.gateway.http.console_session import (
+    COOKIE,
+    PATH,
+    Session,
+    Signer,
+    cross_site,
+    read_form,
+    signer_for,
+    to_signin,
+)
 from serve_app.gateway.http.console_sla import sla_rows
-from serve_app.gateway.http.read import read_capped
 from serve_app.gateway.keys import access
 from serve_app.gateway.keys.ops import KeyOps
-
-logger = logging.getLogger("ray.serve")
-FORM_LIMIT = 16 * 1024  # a console form is a few hundred bytes
-HEADERS = {  # no framing, no caching of pages that show secrets, nothing loaded from elsewhere
-    "Cache-Control": "no-store", "X-Frame-Options": "DENY", "Referrer-Policy": "same-origin",
-    "X-Content-Type-Options": "nosniff",
-    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
-                               "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
-}
-
-
-def _html(body: str, status: int = 200) -> HTMLResponse:
-    return HTMLResponse(body, status_code=status, headers=HEADERS)
-
-
-def _refused(status: int, message: str) -> HTMLResponse:
-    return _html(pages.failure("Refused", message), status)
-
-
-def _no_secret() -> HTMLResponse:
-    return _refused(503, "The console has no shared session secret: set gateway.console.secret, "
-                         "gateway.state.redis_url or gateway.state.dir.")
-
-
-def _to_signin() -> Response:
-    resp = RedirectResponse("/console/signin", status_code=303, headers=HEADERS)
-    resp.delete_cookie(COOKIE, path=PATH)
-    return resp
-
-
-async def _signer(request: Request) -> Signer | None:
-    """The replica's signer, made once: ``gateway.console.secret``, else the state layer's shared
-    secret, else (one replica, no Redis, no state dir) a secret of this process."""
-    signer: Signer | None = getattr(request.app.state, "console_signer", None)
-    if signer is not None:
-        return signer
-    d = request.app.state.deps
-    ccfg = d.cfg.gateway.console
-    secret = ccfg.secret.encode() if ccfg.secret else None
-    if secret is None and d.secrets is not None:
-        try:
-            secret = await d.secrets("console")
-        except Exception as exc:  # Redis down or the file unreadable: no sessions for now
-            logger.error("console secret not read: %s", exc.__class__.__name__)
-            return None
-    if secret is None:
-        if d.cfg.gateway.num_replicas > 1:
-            return None  # replicas would refuse each other's sessions
-        secret = secrets.token_bytes(32)
-    request.app.state.console_signer = signer = Signer(secret, ccfg.session_ttl_s)
-    return signer
 
 
 class Ctx:
@@ -100,48 +54,33 @@ class Ctx:
 
 async def _signed_in(request: Request) -> Ctx | Response:
     """The request's session, or the response that refuses it (sign-in page, 503)."""
-    signer = await _signer(request)
+    signer = await signer_for(request)
     if signer is None:
-        return _no_secret()
+        return pages.no_secret()
     session = signer.read(request.cookies.get(COOKIE))
     if session is None:
-        return _to_signin()
+        return to_signin()
     d = request.app.state.deps
     key = d.keys.by_id(session.key_id)
     if not signer.belongs(session, key):
-        return _to_signin()
+        return to_signin()
     assert key is not None
     return Ctx(request, signer, session, key)
-
-
-async def _form(request: Request) -> dict[str, str]:
-    """A urlencoded form's fields (the first value of each), read under ``FORM_LIMIT``."""
-    raw = await read_capped(request, FORM_LIMIT)
-    if not raw:  # a form with no fields (a button alone) may come without a type
-        return {}
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype != "application/x-www-form-urlencoded":
-        raise errors.UnsupportedMediaType("A console form is sent as application/x-www-form-urlencoded.")
-    try:
-        fields = parse_qs(raw.decode(), keep_blank_values=True, max_num_fields=32, strict_parsing=False)
-    except (UnicodeDecodeError, ValueError):
-        raise errors.InvalidRequest("The form could not be read.") from None
-    return {k: v[0] for k, v in fields.items()}
 
 
 async def _posted(request: Request) -> tuple[Ctx, dict[str, str]] | Response:
     """A state-changing POST: same site, signed in, and carrying the session's CSRF token."""
     if cross_site(request.headers):
-        return _refused(403, "Cross-site request refused.")
+        return pages.refused(403, "Cross-site request refused.")
     ctx = await _signed_in(request)
     if isinstance(ctx, Response):
-        return ctx if ctx.status_code != 303 else _refused(403, "Not signed in.")
+        return ctx if ctx.status_code != 303 else pages.refused(403, "Not signed in.")
     try:
-        form = await _form(request)
+        form = await read_form(request)
     except errors.ServeAppError as exc:
-        return _refused(exc.status, str(exc))
+        return pages.refused(exc.status, str(exc))
     if not ctx.signer.csrf_ok(ctx.session, form.get("csrf")):
-        return _refused(403, "Missing or wrong CSRF token: reload the page and try again.")
+        return pages.refused(403, "Missing or wrong CSRF token: reload the page and try again.")
     return ctx, form
 
 
@@ -170,7 +109,7 @@ def build_console_router() -> APIRouter:
 
     async def keys_page(ctx: Ctx, status: int = 200, **kw: Any) -> Response:
         records = await ctx.ops("key.list", None, lambda: KeyOps(ctx.d.keys).list())
-        return _html(pages.keys(records, ctx.d.cfg.tiers, ctx.csrf, ctx.key.id, **kw), status)
+        return pages.respond(pages.keys(records, ctx.d.cfg.tiers, ctx.csrf, ctx.key.id, **kw), status)
 
     @router.get("")
     async def home(request: Request) -> Response:
@@ -179,28 +118,28 @@ def build_console_router() -> APIRouter:
 
     @router.get("/signin")
     async def signin_form() -> Response:
-        return _html(pages.signin())
+        return pages.respond(pages.signin())
 
     @router.post("/signin")
     async def signin(request: Request) -> Response:
         if cross_site(request.headers):
-            return _refused(403, "Cross-site request refused.")
-        signer = await _signer(request)
+            return pages.refused(403, "Cross-site request refused.")
+        signer = await signer_for(request)
         if signer is None:
-            return _no_secret()
+            return pages.no_secret()
         d = request.app.state.deps
         try:
-            form = await _form(request)
+            form = await read_form(request)
             secret = form.get("key", "").strip() or None
             key = await access.identify_secret(secret, d.keys, d.audit, "/console/signin")
             require_admin(key, d.audit, "/console/signin")
         except errors.ServeAppError as exc:
             status = exc.status if exc.status in (400, 413, 415) else 401
             msg = str(exc) if status != 401 else "Sign-in refused: an active admin key is needed."
-            return _html(pages.signin(msg), status)
+            return pages.respond(pages.signin(msg), status)
         if d.audit is not None:
             d.audit.record("console.signin", actor=key.id, target=None, result="ok")
-        resp = RedirectResponse("/console/keys", status_code=303, headers=HEADERS)
+        resp = RedirectResponse("/console/keys", status_code=303, headers=pages.HEADERS)
         resp.set_cookie(COOKIE, signer.issue(key), max_age=signer.ttl_s, path=PATH, httponly=True,
                         samesite="strict", secure=request.url.scheme == "https")
         return resp
@@ -213,7 +152,7 @@ def build_console_router() -> APIRouter:
         ctx, _ = got
         if ctx.d.audit is not None:
             ctx.d.audit.record("console.signout", actor=ctx.key.id, target=None, result="ok")
-        return _to_signin()
+        return to_signin()
 
     @router.get("/keys")
     async def keys(request: Request) -> Response:
@@ -251,11 +190,11 @@ def build_console_router() -> APIRouter:
             if verb == "revoke":
                 await ctx.ops("key.revoke", key_id, lambda: ops.revoke(key_id))
                 if key_id == ctx.key.id:
-                    return _to_signin()
+                    return to_signin()
                 return await keys_page(ctx, notice=f"Key {key_id} revoked.")
         except errors.ServeAppError as exc:
             return await keys_page(ctx, exc.status, error=str(exc))
-        return _refused(404, "Unknown action.")
+        return pages.refused(404, "Unknown action.")
 
     @router.get("/usage")
     async def usage(request: Request) -> Response:
@@ -270,8 +209,8 @@ def build_console_router() -> APIRouter:
             report = await usage_report(ctx.d, ctx.key, q["key_id"] or None, q["tenant"] or None,
                                         q["model"] or None, q["period"] or None)
         except errors.ServeAppError as exc:
-            return _html(pages.usage(None, q, ctx.csrf, ctx.key.id, str(exc)), exc.status)
-        return _html(pages.usage(report, q, ctx.csrf, ctx.key.id))
+            return pages.respond(pages.usage(None, q, ctx.csrf, ctx.key.id, str(exc)), exc.status)
+        return pages.respond(pages.usage(report, q, ctx.csrf, ctx.key.id))
 
     @router.get("/sla")
     async def sla(request: Request) -> Response:
@@ -279,7 +218,7 @@ def build_console_router() -> APIRouter:
         if isinstance(ctx, Response):
             return ctx
         rows, note = await sla_rows(ctx.d)
-        return _html(pages.sla(rows, note, ctx.csrf, ctx.key.id))
+        return pages.respond(pages.sla(rows, note, ctx.csrf, ctx.key.id))
 
     @router.get("/batches")
     async def batches(request: Request) -> Response:
@@ -287,9 +226,9 @@ def build_console_router() -> APIRouter:
         if isinstance(ctx, Response):
             return ctx
         if ctx.d.batch is None:
-            return _html(pages.batches([], "The Batch API is off on this gateway.", ctx.csrf, ctx.key.id))
+            return pages.respond(pages.batches([], "The Batch API is off on this gateway.", ctx.csrf, ctx.key.id))
         docs = [vars(b) for b in await ctx.d.batch.store.recent(100)]
-        return _html(pages.batches(docs, None, ctx.csrf, ctx.key.id))
+        return pages.respond(pages.batches(docs, None, ctx.csrf, ctx.key.id))
 
     @router.get("/audit")
     async def audit(request: Request) -> Response:
@@ -298,10 +237,10 @@ def build_console_router() -> APIRouter:
             return ctx
         if ctx.d.audit is None or ctx.d.audit.file is None:
             note = "No audit file: set gateway.state.dir (audit events are only counted now)."
-            return _html(pages.audit([], note, ctx.csrf, ctx.key.id))
+            return pages.respond(pages.audit([], note, ctx.csrf, ctx.key.id))
         n = ctx.d.cfg.gateway.console.audit_lines
         lines = (await asyncio.to_thread(ctx.d.audit.lines))[-n:][::-1]
-        return _html(pages.audit(lines, f"The last {len(lines)} lines, newest first.",
+        return pages.respond(pages.audit(lines, f"The last {len(lines)} lines, newest first.",
                                  ctx.csrf, ctx.key.id))
 
     return router

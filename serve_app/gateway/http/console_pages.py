@@ -1,7 +1,8 @@
 """The console's HTML: server-rendered, no script, no CDN; every value from a key, a batch, the
 audit log or a form passes through ``_e`` (``html.escape``) before it reaches the page.
 
-Each function returns one page's HTML; ``console.py`` decides which and with what."""
+Each function returns one page's HTML; ``console.py`` decides which and with what, and sends it
+with ``respond`` (the console's security headers) or ``refused``."""
 
 from __future__ import annotations
 
@@ -10,8 +11,16 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from starlette.responses import HTMLResponse
+
 from serve_app.config import KeyRecord
 
+HEADERS = {  # no framing, no caching of pages that show secrets, nothing loaded from elsewhere
+    "Cache-Control": "no-store", "X-Frame-Options": "DENY", "Referrer-Policy": "same-origin",
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
+                               "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+}
 NAV = (("keys", "Keys"), ("usage", "Usage"), ("sla", "SLA"), ("batches", "Batches"),
        ("audit", "Audit log"))
 CSS = """
@@ -212,3 +221,17 @@ def audit(lines: Sequence[Mapping[str, Any]], note: str | None, csrf: str, who: 
 def failure(title: str, message: str) -> str:
     """A refusal or an error, as a page (never a traceback)."""
     return page(title, messages(message) + '<p><a href="/console/keys">Back to the console</a></p>')
+
+
+def respond(body: str, status: int = 200) -> HTMLResponse:
+    """A page as a response, with the console's security headers."""
+    return HTMLResponse(body, status_code=status, headers=HEADERS)
+
+
+def refused(status: int, message: str) -> HTMLResponse:
+    return respond(failure("Refused", message), status)
+
+
+def no_secret() -> HTMLResponse:
+    return refused(503, "The console has no shared session secret: set gateway.console.secret, "
+                        "gateway.state.redis_url or gateway.state.dir.")

@@ -9,7 +9,8 @@ re-checked on every request (``console.py``), so a revoked or expired key's sess
 
 Every state-changing POST carries a CSRF token, HMAC of the session cookie under the same secret
 (another purpose byte string, so a token is never a valid mac of anything else), and is refused
-when ``Origin`` or ``Referer`` names another host, or ``Sec-Fetch-Site`` says cross-site.
+when ``Origin`` or ``Referer`` names another host, or ``Sec-Fetch-Site`` says cross-site. Its
+form is read here too (``read_form``: capped, urlencoded only).
 """
 
 from __future__ import annotations
@@ -19,16 +20,25 @@ import binascii
 import hashlib
 import hmac
 import json
+import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+
+from serve_app import errors
 from serve_app.config import KeyRecord
+from serve_app.gateway.http.console_pages import HEADERS
+from serve_app.gateway.http.read import read_capped
 
 COOKIE = "serve_app_console"
 PATH = "/console"
+FORM_LIMIT = 16 * 1024  # a console form is a few hundred bytes
+logger = logging.getLogger("ray.serve")
 
 
 @dataclass(frozen=True)
@@ -118,3 +128,49 @@ def cross_site(headers: Mapping[str, str]) -> bool:
                 return True
             return netloc != host or not host  # "null" (an opaque origin) has no host: refused
     return False
+
+
+async def signer_for(request: Request) -> Signer | None:
+    """The replica's signer, made once: ``gateway.console.secret``, else the state layer's shared
+    secret, else (one replica, no Redis, no state dir) a secret of this process. None when there
+    is no secret every replica shares: the caller answers 503."""
+    signer: Signer | None = getattr(request.app.state, "console_signer", None)
+    if signer is not None:
+        return signer
+    d = request.app.state.deps
+    ccfg = d.cfg.gateway.console
+    secret = ccfg.secret.encode() if ccfg.secret else None
+    if secret is None and d.secrets is not None:
+        try:
+            secret = await d.secrets("console")
+        except Exception as exc:  # Redis down or the file unreadable: no sessions for now
+            logger.error("console secret not read: %s", exc.__class__.__name__)
+            return None
+    if secret is None:
+        if d.cfg.gateway.num_replicas > 1:
+            return None  # replicas would refuse each other's sessions
+        secret = secrets.token_bytes(32)
+    request.app.state.console_signer = signer = Signer(secret, ccfg.session_ttl_s)
+    return signer
+
+
+def to_signin() -> Response:
+    """The redirect to the sign-in form, ending the session cookie this browser holds."""
+    resp = RedirectResponse(PATH + "/signin", status_code=303, headers=HEADERS)
+    resp.delete_cookie(COOKIE, path=PATH)
+    return resp
+
+
+async def read_form(request: Request) -> dict[str, str]:
+    """A urlencoded form's fields (the first value of each), read under ``FORM_LIMIT``."""
+    raw = await read_capped(request, FORM_LIMIT)
+    if not raw:  # a form with no fields (a button alone) may come without a type
+        return {}
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/x-www-form-urlencoded":
+        raise errors.UnsupportedMediaType("A console form is sent as application/x-www-form-urlencoded.")
+    try:
+        fields = parse_qs(raw.decode(), keep_blank_values=True, max_num_fields=32, strict_parsing=False)
+    except (UnicodeDecodeError, ValueError):
+        raise errors.InvalidRequest("The form could not be read.") from None
+    return {k: v[0] for k, v in fields.items()}
