@@ -83,13 +83,25 @@ def _shot(driver: Any, page: str) -> None:
         driver.set_window_size(1280, 900)
 
 
-def _sign_in(driver: Any, url: str, key: str) -> None:
+def click_and_wait(driver: Any, button: Any) -> None:
+    """Click a link or a form's button and wait for the next page: a click may return before the browser has
+    left the old page, and an element found then is gone a moment later (stale)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    old = driver.find_element(By.TAG_NAME, "html")
+    button.click()
+    WebDriverWait(driver, 20).until(expected_conditions.staleness_of(old))
+
+
+def sign_in(driver: Any, url: str, key: str) -> None:
     from selenium.webdriver.common.by import By
 
     driver.get(url + "/console/signin")
     driver.find_element(By.CSS_SELECTOR, "label[for=key]")  # the field is labelled
     driver.find_element(By.ID, "key").send_keys(key)
-    driver.find_element(By.CSS_SELECTOR, "form button[type=submit]").click()
+    click_and_wait(driver, driver.find_element(By.CSS_SELECTOR, "form button[type=submit]"))
 
 
 def test_sign_in_create_list_and_revoke_a_key(browser: Any, tmp_path: Path) -> None:
@@ -102,7 +114,7 @@ def test_sign_in_create_list_and_revoke_a_key(browser: Any, tmp_path: Path) -> N
         browser.get(served.url + "/console/keys")
         assert browser.current_url.endswith("/console/signin")  # signed out: the sign-in form
         _shot(browser, "signin")
-        _sign_in(browser, served.url, admin.admin)
+        sign_in(browser, served.url, admin.admin)
         assert browser.current_url.endswith("/console/keys")
         assert browser.find_element(By.TAG_NAME, "h1").text == "Keys"
         assert browser.get_cookie("serve_app_console")["httpOnly"] is True
@@ -111,7 +123,7 @@ def test_sign_in_create_list_and_revoke_a_key(browser: Any, tmp_path: Path) -> N
         Select(browser.find_element(By.ID, "tier")).select_by_value("standard")
         browser.find_element(By.ID, "tenant").send_keys("acme")
         browser.find_element(By.ID, "budget_tokens").send_keys("500000")
-        browser.find_element(By.XPATH, "//button[text()='Create key']").click()
+        click_and_wait(browser, browser.find_element(By.XPATH, "//button[text()='Create key']"))
         secret = browser.find_element(By.ID, "new-secret").text
         assert secret.startswith("sk-sa-")
         assert admin.call("GET", "/v1/models", secret).status_code == 200
@@ -119,19 +131,19 @@ def test_sign_in_create_list_and_revoke_a_key(browser: Any, tmp_path: Path) -> N
         assert "standard" in row.text and "acme" in row.text and "active" in row.text
         _shot(browser, "keys")
 
-        row.find_element(By.XPATH, ".//button[text()='Revoke']").click()
+        click_and_wait(browser, row.find_element(By.XPATH, ".//button[text()='Revoke']"))
         row = browser.find_element(By.XPATH, "//tr[th[@scope='row' and text()='web-team']]")
         assert "revoked" in row.text
         assert admin.call("GET", "/v1/models", secret).status_code == 401
 
         for page in ("usage", "sla", "batches", "audit"):
-            browser.find_element(By.LINK_TEXT, {"audit": "Audit log"}.get(page, page.upper()
-                                 if page == "sla" else page.capitalize())).click()
+            link = {"audit": "Audit log", "sla": "SLA"}.get(page, page.capitalize())
+            click_and_wait(browser, browser.find_element(By.LINK_TEXT, link))
             assert browser.current_url.endswith(f"/console/{page}")
             _shot(browser, page)
         assert "key.revoke" in browser.find_element(By.TAG_NAME, "table").text
 
-        browser.find_element(By.XPATH, "//button[text()='Sign out']").click()
+        click_and_wait(browser, browser.find_element(By.XPATH, "//button[text()='Sign out']"))
         assert browser.current_url.endswith("/console/signin")
     log = admin.audit()
     assert '"action":"key.create","target":"web-team","result":"ok"' in log
@@ -144,7 +156,7 @@ def test_a_client_key_cannot_open_the_console(browser: Any, tmp_path: Path) -> N
     admin = Admin(tmp_path)
     client = run(KeyOps(admin.deps.keys).create("app")).secret
     with Served(build_api(admin.deps)) as served:
-        _sign_in(browser, served.url, client)
+        sign_in(browser, served.url, client)
         assert "Sign-in refused" in browser.find_element(By.CSS_SELECTOR, "[role=alert]").text
         assert browser.get_cookie("serve_app_console") is None
         browser.get(served.url + "/console/keys")
