@@ -3,7 +3,7 @@
 One module per section of the config file: ``engine`` (how a model runs: engine arguments,
 accelerator, deployment and autoscaling), ``model`` (``models[]`` and ``routes[]``), ``tiers``,
 ``keys`` (key records, budgets and ``gateway.keys``), ``gateway`` and its sections ``http``,
-``state``, ``accounting``, ``batch`` and ``responses``, and ``app`` (the whole ``args`` block
+``state``, ``accounting``, ``batch``, ``responses`` and ``console``, and ``app`` (the whole ``args`` block
 and its loading); ``base`` holds the strict base model and the error formatting they share.
 Import the names from here.
 """
@@ -12,6 +12,7 @@ from serve_app.config.accounting import AccountingConfig
 from serve_app.config.app import APP_NAME, AppConfig, load_app_config
 from serve_app.config.base import format_validation_error
 from serve_app.config.batch import BatchConfig
+from serve_app.config.console import ConsoleConfig
 from serve_app.config.engine import (
     Accelerator,
     AutoscalingConfig,
@@ -37,6 +38,7 @@ __all__ = [
     "AutoscalingConfig",
     "BatchConfig",
     "Budget",
+    "ConsoleConfig",
     "DeploymentOptions",
     "EngineArgs",
     "FlowConfig",

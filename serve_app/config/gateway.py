@@ -1,5 +1,5 @@
 """The ingress deployment (``gateway``): the deployment itself, and one section per package of the
-gateway: ``http``, ``keys``, ``state``, ``accounting``, ``batch`` and ``responses``."""
+gateway: ``http``, ``keys``, ``state``, ``accounting``, ``batch``, ``responses`` and ``console``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 from serve_app.config.accounting import AccountingConfig
 from serve_app.config.base import _Strict
 from serve_app.config.batch import BatchConfig
+from serve_app.config.console import ConsoleConfig
 from serve_app.config.http import HttpConfig
 from serve_app.config.keys import KeysConfig
 from serve_app.config.responses import ResponsesConfig
@@ -62,6 +63,9 @@ class GatewayConfig(_Strict):
     responses: ResponsesConfig = Field(
         default_factory=ResponsesConfig,
         description="Stored Responses (store, previous_response_id, background).",
+    )
+    console: ConsoleConfig = Field(
+        default_factory=ConsoleConfig, description="The operator's console at /console."
     )
 
     @model_validator(mode="after")

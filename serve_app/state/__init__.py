@@ -20,6 +20,7 @@ from serve_app.state.responses import (
     ResponseDocs,
     SqliteResponseStore,
 )
+from serve_app.state.secrets import shared_secret
 from serve_app.state.usage import (
     USAGE_FILE,
     MemoryUsageStore,
@@ -43,6 +44,11 @@ class State:
     files: FileStore
     audit: AuditFile | None  # None without gateway.state.dir: audit events are only counted
     keys: KeyStore
+
+    async def shared_secret(self, name: str) -> bytes | None:
+        """A secret all replicas share, made once (``secrets.shared_secret``); None without Redis
+        or a state dir."""
+        return await shared_secret(self.connections, name)
 
     async def close(self) -> None:
         """At the replica's stop; safe to call twice."""

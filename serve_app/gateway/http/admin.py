@@ -15,7 +15,7 @@ rule) and reach ``/admin/v1`` from inside.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from serve_app import errors
 from serve_app.bodies import parse_body
 from serve_app.config import Budget, KeyRecord, Limits
+from serve_app.gateway.accounting.audit import Audit
 from serve_app.gateway.http.read import read_capped, require_json
 from serve_app.gateway.keys import access
 from serve_app.gateway.keys.ops import KeyOps, describe
@@ -90,10 +91,15 @@ async def admin_key(request: Request) -> KeyRecord:
     """The admin key of the request: 401 without a valid key, 403 with a client key."""
     d = _deps(request)
     key = await access.identify(request, d.keys, d.audit)
+    return require_admin(key, d.audit, access.route_of(request))
+
+
+def require_admin(key: KeyRecord, audit: Audit | None, route: str) -> KeyRecord:
+    """``key`` if its role is admin, else 403 (audited as ``admin_denied``); the admin API and
+    the console's sign-in both check here."""
     if key.role != "admin":
-        if d.audit is not None:
-            d.audit.record("admin_denied", actor=key.id, target=None, result="forbidden",
-                           route=access.route_of(request))
+        if audit is not None:
+            audit.record("admin_denied", actor=key.id, target=None, result="forbidden", route=route)
         raise errors.PermissionDenied("This key may not use the admin API; an admin key is needed.")
     return key
 
@@ -114,9 +120,45 @@ def _fail(exc: KeysFileError) -> errors.ServeAppError:
 
 
 def _check_tier(request: Request, tier: str | None) -> None:
-    tiers = _deps(request).cfg.tiers
+    check_tier(_deps(request).cfg.tiers, tier)
+
+
+def check_tier(tiers: Mapping[str, object], tier: str | None) -> None:
+    """A key's tier must be one of the config's (a 400 naming the field otherwise)."""
     if tier is not None and tier not in tiers:
         raise errors.InvalidRequest(f"tier ({tier!r}) is not one of {sorted(tiers)}", param="tier")
+
+
+async def act_as(audit: Audit | None, actor: KeyRecord, action: str, target: str | None,
+                 fn: Callable[[], Awaitable[T]]) -> T:
+    """Run one admin action and audit it, whatever its result (the admin API and the console)."""
+    try:
+        out = await fn()
+    except KeysFileError as exc:
+        err = _fail(exc)
+        if audit is not None:
+            audit.record(action, actor=actor.id, target=target, result=err.code or "error")
+        raise err from None
+    if audit is not None:
+        audit.record(action, actor=actor.id, target=target, result="ok")
+    return out
+
+
+async def usage_report(d: Any, actor: KeyRecord, key_id: str | None, tenant: str | None,
+                       model: str | None, period: str | None) -> dict[str, Any]:
+    """Requests and tokens by key (``GET /admin/v1/usage`` and the console's usage page), audited
+    as ``usage.read``."""
+    keys = await act_as(d.audit, actor, "usage.read", key_id, lambda: KeyOps(d.keys).list())
+    by_key = {}
+    for k in keys:
+        if (key_id and k.id != key_id) or (tenant and k.tenant_id != tenant):
+            continue
+        by_key[k.id] = _pick(await d.usage.store.get(k.id), model, period)
+    if key_id and not by_key:
+        raise errors.NotFound(f"no key with id {key_id!r}")
+    total = {f: sum(v[f] for v in by_key.values()) for f in _FIELDS}
+    return {"object": "usage", "key_id": key_id, "tenant": tenant, "model": model,
+            "period": period, **total, "by_key": by_key}
 
 
 def build_admin_router() -> APIRouter:
@@ -124,18 +166,7 @@ def build_admin_router() -> APIRouter:
 
     async def act(request: Request, actor: KeyRecord, action: str, target: str | None,
                   fn: Callable[[], Awaitable[T]]) -> T:
-        """Run one admin action and audit it, whatever its result."""
-        audit = _deps(request).audit
-        try:
-            out = await fn()
-        except KeysFileError as exc:
-            err = _fail(exc)
-            if audit is not None:
-                audit.record(action, actor=actor.id, target=target, result=err.code or "error")
-            raise err from None
-        if audit is not None:
-            audit.record(action, actor=actor.id, target=target, result="ok")
-        return out
+        return await act_as(_deps(request).audit, actor, action, target, fn)
 
     def ops(request: Request) -> KeyOps:
         return KeyOps(_deps(request).keys)
@@ -206,18 +237,7 @@ def build_admin_router() -> APIRouter:
     ) -> dict[str, Any]:
         """Requests and tokens by key, for the keys matching ``key_id`` and ``tenant``, counted
         for one ``model`` and/or one ``period`` when given."""
-        d = _deps(request)
-        keys = await act(request, actor, "usage.read", key_id, lambda: ops(request).list())
-        by_key = {}
-        for k in keys:
-            if (key_id and k.id != key_id) or (tenant and k.tenant_id != tenant):
-                continue
-            by_key[k.id] = _pick(await d.usage.store.get(k.id), model, period)
-        if key_id and not by_key:
-            raise errors.NotFound(f"no key with id {key_id!r}")
-        total = {f: sum(v[f] for v in by_key.values()) for f in _FIELDS}
-        return {"object": "usage", "key_id": key_id, "tenant": tenant, "model": model,
-                "period": period, **total, "by_key": by_key}
+        return await usage_report(_deps(request), actor, key_id, tenant, model, period)
 
     @router.get("/openapi.json", include_in_schema=False)
     async def schema(request: Request, actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:

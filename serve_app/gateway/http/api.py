@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from serve_app.gateway.admission.budgets import Budgets
 from serve_app.gateway.admission.tiers import TierPolicy
 from serve_app.gateway.http.admin import mount_admin
 from serve_app.gateway.http.answers import to_response
+from serve_app.gateway.http.console import mount_console
 from serve_app.gateway.http.models import ModelCards
 from serve_app.gateway.http.read import read_capped, require_json
 from serve_app.gateway.http.responses import responses_router
@@ -57,6 +59,8 @@ class GatewayDeps:
     budgets: Budgets | None = None  # token budgets, reported by /v1/usage (``budgets``)
     # Stored Responses (gateway/responses); None: kept in this process's memory.
     responses: StoredResponses | None = None
+    # A secret every replica shares, by name (``State.shared_secret``): the console's session key.
+    secrets: Callable[[str], Awaitable[bytes | None]] | None = None
 
 
 async def get_deps(request: Request) -> GatewayDeps:
@@ -162,6 +166,7 @@ def build_api(deps: GatewayDeps, lifespan: Lifespan[FastAPI] | None = None) -> F
         else:
             app.add_api_route(endpoint.path, model_route(endpoint), methods=["POST"])
     mount_admin(app)
+    mount_console(app)
 
     if deps.batch is not None:
         from serve_app.batch.routes import batch_router

@@ -26,12 +26,19 @@ def route_of(request: Request) -> str:
 
 async def identify(request: Request, keys: KeyStore, audit: Audit | None,
                    clock: Callable[[], float] = time.time) -> KeyRecord:
-    """The request's active, unexpired key, or 401 (audited as ``auth_failed``).
+    """The request's active, unexpired key (from its headers), or 401 (``identify_secret``)."""
+    return await identify_secret(request_key(request.headers), keys, audit, route_of(request),
+                                 clock)
+
+
+async def identify_secret(token: str | None, keys: KeyStore, audit: Audit | None, route: str,
+                          clock: Callable[[], float] = time.time) -> KeyRecord:
+    """The active, unexpired key whose secret is ``token``, or 401 (audited as ``auth_failed``
+    on ``route``). The API's headers and the console's sign-in form both end here.
 
     Keys answer from memory. An unknown secret first checks the store's version (one cheap read,
     shared by concurrent unknown secrets), so a key created a moment ago on another replica or by
     ``serve-app keys`` is not refused while the background poll lags behind."""
-    token = request_key(request.headers)
     reason = "missing"
     key = None
     if token is not None:
@@ -44,7 +51,7 @@ async def identify(request: Request, keys: KeyStore, audit: Audit | None,
         return key
     if audit is not None:
         audit.record("auth_failed", actor=key.id if key is not None else None, target=None,
-                     result=reason, route=route_of(request))
+                     result=reason, route=route)
     if reason == "missing":
         raise errors.AuthenticationFailed(
             "Missing or malformed API key. Send the header 'Authorization: Bearer <key>' "
