@@ -18,6 +18,7 @@ from serve_app.config.engine import (
     DeploymentOptions,
     EngineArgs,
     ObjectivePolicyConfig,
+    SimulatedEngine,
     SyntheticUpstream,
 )
 from serve_app.config.gateway import GatewayConfig
@@ -50,6 +51,7 @@ __all__ = [
     "Objectives",
     "RoutingConfig",
     "StateConfig",
+    "SimulatedEngine",
     "SyntheticUpstream",
     "TierConfig",
     "expiry_time",
