@@ -210,7 +210,10 @@ class SyntheticUpstream(_Strict):
 
 # The step-time profiles of serve_app/engine/sim/profiles.json (a unit test keeps the two equal;
 # the schema reads no engine file, so a typo fails at validation naming the known ones).
-SimProfile = Literal["cpu-tiny", "h100-llama3.1-8b-analytic"]
+SimProfile = Literal[
+    "cpu-tiny", "h100-llama3.1-8b", "h100-llama3.1-8b-tp2", "h100-llama3.1-8b-analytic",
+    "h100-llama3.1-70b-tp4", "h200-llama3.1-8b", "h200-llama3.1-8b-tp2",
+]
 
 
 class SimulatedEngine(_Strict):

@@ -4,13 +4,14 @@ LRU eviction, priority, preemption) and the step-time model, without Ray or wall
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 
 import pytest
 
 from serve_app.engine.sim.blocks import BlockPool, chain_hashes
 from serve_app.engine.sim.engine import SimEngine
-from serve_app.engine.sim.profile import load_profile
+from serve_app.engine.sim.profile import PROFILES_FILE, StepWork, load_profile, prefill_pairs
 from serve_app.engine.sim.scheduler import Batch, Limits, Policy, Scheduler, SimRequest, Status
 from serve_app.engine.sim.tokens import chat_text, text_ids
 from tests.unit.sim_fakes import FakeClock, Steps
@@ -235,3 +236,19 @@ def test_text_gives_stable_token_ids_and_a_chat_keeps_its_prefix_as_it_grows() -
     turn2 = [*turn1, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
     one, two = text_ids(chat_text(turn1)), text_ids(chat_text(turn2))
     assert two[:len(one) - 4] == one[:-4]  # all but the assistant marker's tokens
+
+
+@pytest.mark.parametrize("name", ["h100-llama3.1-8b", "h100-llama3.1-8b-tp2", "h200-llama3.1-8b",
+                                  "h200-llama3.1-8b-tp2", "h100-llama3.1-70b-tp4"])
+def test_a_fitted_gpu_profile_reproduces_aiconfigurators_own_figures(name: str) -> None:
+    profile = load_profile(name)
+    assert profile.fitted and "aiconfigurator-core 0.12.0" in profile.source
+    ref = json.loads(PROFILES_FILE.read_text())["profiles"][name]["fit"]["reference_ms"]
+    ours = {
+        "prefill_2048": StepWork(2048, prefill_pairs(2048, 0)),
+        "prefill_2048_half_cached": StepWork(1024, prefill_pairs(1024, 1024)),
+        "decode_bs1_ctx2048": StepWork(decode_seqs=1, decode_context=2049),
+        "decode_bs64_ctx2048": StepWork(decode_seqs=64, decode_context=64 * 2049),
+    }
+    for key, work in ours.items():
+        assert profile.step_s(work) * 1000 == pytest.approx(ref[key], rel=0.15), key

@@ -1,17 +1,19 @@
 """Step-time models: how long one engine step takes for the work the scheduler put in it.
 
 One step runs every scheduled request's new tokens through the model at once (vLLM's continuous
-batching), so its time is modelled from the step's totals::
+batching), so its time is modelled from the step's totals, as aiconfigurator splits a step::
 
-    step_s = max(floor, overhead + a * prefill_tokens + b * prefill_attention
-                        + c * decode_seqs + d * decode_context)
+    step_s = overhead + max(floor, a * prefill_tokens + c * decode_seqs)     # non-attention ops
+             + b * prefill_attention + d * decode_context                     # attention
 
-``prefill_tokens`` are the new (uncached) prompt tokens computed in the step; ``prefill_attention``
-is the attention work of those tokens, each attending to its context (the cached and earlier
-tokens, ``n * (context + n / 2)`` token pairs for a chunk of ``n`` after ``context``), which is why
-a cached prefix still costs a little; ``decode_seqs`` is the decode batch and ``decode_context``
-the tokens its attention reads (batch x mean context). ``floor`` is the time no step beats, the
-weights read once from memory (a batch-1 decode step on a GPU).
+The non-attention ops (GEMMs, norms, communication) run at the step's total tokens: below a few
+hundred tokens they take ``floor``, the time to read the weights once (a small decode batch costs
+about as much as one sequence), above it they grow with the tokens. ``prefill_tokens`` are the new
+(uncached) prompt tokens computed in the step; ``prefill_attention`` is their attention work, each
+token attending to its context (``n * (context + n / 2)`` token pairs for a chunk of ``n`` after
+``context`` cached or earlier tokens), which is why a cached prefix still costs a little;
+``decode_seqs`` is the decode batch and ``decode_context`` the tokens its attention reads (batch
+x mean context).
 
 Profiles come from ``profiles.json`` beside this module; each says where its numbers come from
 (``source``) and whether they are fitted to measurements (``fitted``).
@@ -61,10 +63,9 @@ class StepProfile:
         """The modelled time of one step; 0 for a step that computes nothing."""
         if not work.tokens:
             return 0.0
-        t = (self.overhead_s + self.prefill_token_s * work.prefill_tokens
-             + self.prefill_pair_s * work.prefill_attention + self.decode_seq_s * work.decode_seqs
-             + self.decode_context_s * work.decode_context)
-        return max(self.floor_s, t)
+        linear = self.prefill_token_s * work.prefill_tokens + self.decode_seq_s * work.decode_seqs
+        return (self.overhead_s + max(self.floor_s, linear)
+                + self.prefill_pair_s * work.prefill_attention + self.decode_context_s * work.decode_context)
 
 
 def prefill_pairs(new: int, context: int) -> float:
