@@ -31,23 +31,35 @@ class Clock(Protocol):
 
 
 class ScaledClock:
-    """Modelled time that runs ``time_scale`` times faster than the event loop's clock."""
+    """Modelled time that runs ``time_scale`` times faster than the event loop's clock.
 
-    def __init__(self, time_scale: float = 1.0) -> None:
+    Steps shorter than ``quantum_s`` of wall-clock time are not slept one by one: their time is
+    owed and slept once it adds up to a quantum, so a fast GPU step (5 ms at a time scale of 8 is
+    0.6 ms) does not wake the loop a thousand times a second in each of 32 replicas. Tokens then
+    come at most one quantum early; the engine's throughput is unchanged."""
+
+    def __init__(self, time_scale: float = 1.0, quantum_s: float = 0.002) -> None:
         self.time_scale = time_scale
+        self.quantum_s = quantum_s
         self._t0: float | None = None
+        self._due = 0.0  # the loop time that the steps so far have reached
 
     def _loop_time(self) -> float:
         t = asyncio.get_running_loop().time()
         if self._t0 is None:
             self._t0 = t
-        return t - self._t0
+        return t
 
     def now(self) -> float:
-        return self._loop_time() * self.time_scale
+        t = self._loop_time()
+        assert self._t0 is not None
+        return (t - self._t0) * self.time_scale
 
     async def sleep(self, modelled_s: float) -> None:
-        await asyncio.sleep(modelled_s / self.time_scale)
+        t = self._loop_time()
+        self._due = max(self._due, t) + modelled_s / self.time_scale  # idle time is no credit
+        ahead = self._due - t
+        await asyncio.sleep(ahead if ahead >= self.quantum_s else 0)
 
 
 @dataclass
