@@ -15,7 +15,7 @@ from ray.serve.deployment import Deployment
 from serve_app.config import AppConfig, ModelConfig, format_validation_error
 from serve_app.engine.autoscale import autoscaling_options, top_tier_objective_s
 from serve_app.engine.deployment import ModelServer
-from serve_app.engine.placement import actor_options, placement_bundles, placement_strategy
+from serve_app.engine.placement import placement_options
 from serve_app.gateway.deployment import Gateway
 
 GATEWAY_DEPLOYMENT = "gateway"
@@ -44,9 +44,7 @@ def model_deployment_options(m: ModelConfig, objective_s: float | None = None) -
         "health_check_timeout_s": d.health_check_timeout_s,
         "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s,
         "max_surge_percent": d.max_surge_percent,
-        "ray_actor_options": actor_options(m),
-        "placement_group_bundles": placement_bundles(m),
-        "placement_group_strategy": placement_strategy(m),
+        **placement_options(m),
     }
     if d.autoscaling_config is not None:
         opts["autoscaling_config"] = autoscaling_options(d.autoscaling_config, objective_s)

@@ -19,6 +19,7 @@ from serve_app.config.engine import (
     DeploymentOptions,
     EngineArgs,
     ObjectivePolicyConfig,
+    SimulatedEngine,
     SyntheticUpstream,
 )
 from serve_app.config.gateway import GatewayConfig
@@ -54,6 +55,7 @@ __all__ = [
     "ResponsesConfig",
     "RoutingConfig",
     "StateConfig",
+    "SimulatedEngine",
     "SyntheticUpstream",
     "TierConfig",
     "expiry_time",

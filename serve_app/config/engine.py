@@ -206,3 +206,31 @@ class SyntheticUpstream(_Strict):
 
     tokens_per_s: PositiveFloat = Field(description="Tokens per second of each stream.")
     ttft_ms: float = Field(default=0.0, ge=0, le=60_000, description="Wait before the first token.")
+
+
+# The step-time profiles of serve_app/engine/sim/profiles.json (a unit test keeps the two equal;
+# the schema reads no engine file, so a typo fails at validation naming the known ones).
+SimProfile = Literal[
+    "cpu-tiny", "h100-llama3.1-8b", "h100-llama3.1-8b-tp2", "h100-llama3.1-8b-analytic",
+    "h100-llama3.1-70b-tp4", "h200-llama3.1-8b", "h200-llama3.1-8b-tp2",
+]
+
+
+class SimulatedEngine(_Strict):
+    """A SIMULATED engine (``serve_app/engine/sim``): vLLM's scheduler in modelled time, no weights.
+
+    Its scheduler reads the model's own engine arguments (``engine.max_num_seqs``,
+    ``max_num_batched_tokens``, ``block_size``, ``scheduling_policy``, ``enable_prefix_caching``,
+    ``seed``), as the gateway's admission and flow queue do, so both see one number."""
+
+    profile: SimProfile = Field(description="The step-time profile (GPU, model, parallelism).")
+    time_scale: float = Field(
+        default=1.0, gt=0, le=1000,
+        description="Modelled seconds per wall-clock second: 4 runs the model 4x faster than the "
+        "GPU would (every engine time the gateway sees is divided by it).",
+    )
+    num_blocks: PositiveInt = Field(
+        default=8192,
+        description="KV cache blocks of engine.block_size tokens (vLLM sizes them from GPU "
+        "memory; here they are given).",
+    )

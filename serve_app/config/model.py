@@ -20,6 +20,7 @@ from serve_app.config.engine import (
     Accelerator,
     DeploymentOptions,
     EngineArgs,
+    SimulatedEngine,
     SyntheticUpstream,
 )
 
@@ -154,6 +155,12 @@ class ModelConfig(_Strict):
         description="SYNTHETIC upstream for gateway benchmarks: no engine, no weights; streams "
         "made-up tokens at this rate (serve_app/engine/synthetic.py). Never for real traffic.",
     )
+    simulated: SimulatedEngine | None = Field(
+        default=None,
+        description="SIMULATED engine: vLLM's scheduling (batching, chunked prefill, prefix cache, "
+        "priority, preemption) in modelled time with made-up tokens (serve_app/engine/sim). For "
+        "fleet experiments on a CPU machine; never for real traffic.",
+    )
     # 50 ms is also Ray Serve LLM's default (RAYLLM_MODEL_RESPONSE_BATCH_TIMEOUT_MS).
     stream_interval_ms: float = Field(
         default=50.0,
@@ -188,6 +195,21 @@ class ModelConfig(_Strict):
     def _synthetic_generates(self) -> ModelConfig:
         if self.synthetic is not None and self.task != "generate":
             raise ValueError(f"synthetic needs task 'generate', not {self.task!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _simulated_alone(self) -> ModelConfig:
+        if self.simulated is None:
+            return self
+        if self.synthetic is not None:
+            raise ValueError("simulated and synthetic are exclusive; give one")
+        if self.task != "generate":
+            raise ValueError(f"simulated needs task 'generate', not {self.task!r}")
+        if self.engine.kv_cache_memory_bytes is not None:
+            raise ValueError(
+                f"engine.kv_cache_memory_bytes ({self.engine.kv_cache_memory_bytes}) means nothing "
+                "to a simulated engine; size its cache with simulated.num_blocks"
+            )
         return self
 
     @model_validator(mode="after")

@@ -65,6 +65,12 @@ def request_adapter(request_type: str) -> TypeAdapter[Any]:
     return TypeAdapter(getattr(importlib.import_module(module), name))
 
 
+def cache_salt(tenant: str) -> str | None:
+    """vLLM's ``cache_salt`` for a tenant (None for none): keys of one tenant share the prefix
+    cache, and no other tenant's request can hit, and so time, their blocks."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:32] if tenant else None
+
+
 @dataclass(frozen=True)
 class Overrides:
     """What the gateway decided for a request, applied to the request vLLM finally schedules."""
@@ -146,8 +152,7 @@ class RequestAdapter:
         """The gateway's decisions, as vLLM request fields: the tier's priority (only under the
         priority scheduler, which alone accepts one), the request id, the tenant's cache salt."""
         priority = ctx.priority if self.cfg.engine.scheduling_policy == "priority" else None
-        salt = hashlib.sha256(ctx.tenant.encode()).hexdigest()[:32] if ctx.tenant else None
-        return Overrides(priority, ctx.request_id, salt)
+        return Overrides(priority, ctx.request_id, cache_salt(ctx.tenant))
 
     def prepare(self, endpoint: Endpoint, body: dict[str, Any]) -> tuple[Any, bool]:
         """vLLM's request object, and whether the client asked for the stream's usage chunk.

@@ -1,5 +1,5 @@
-"""The model deployment: one Ray Serve replica = one ``backend.Backend`` (a vLLM engine, or the
-synthetic upstream); it depends on that protocol only.
+"""The model deployment: one Ray Serve replica = one ``backend.Backend`` (a vLLM engine, the
+simulated engine or the synthetic upstream); it depends on that protocol only.
 
 ``ModelService.handle`` serves every endpoint of ``protocol.ENDPOINTS`` and answers as a stream (a
 head, then for a stream its chunks and a trailer), so the gateway handles every endpoint, streaming
@@ -23,6 +23,7 @@ from serve_app.engine.autoscale import ONGOING_METRIC, TopTierWindow
 from serve_app.engine.backend import Backend
 from serve_app.engine.endpoint import ModelEndpoint
 from serve_app.engine.server import EngineServer
+from serve_app.engine.sim.server import SimServer
 from serve_app.engine.sources import resolve_source
 from serve_app.engine.synthetic import SyntheticServer
 from serve_app.metrics import ModelRequestMetrics, ProcessMetrics
@@ -62,6 +63,8 @@ class ModelService:
         server: Backend
         if cfg.synthetic is not None:  # no engine: made-up tokens for gateway benchmarks
             server = SyntheticServer(cfg)
+        elif cfg.simulated is not None:  # no engine: vLLM's scheduling in modelled time
+            server = SimServer(cfg)
         else:
             path = await asyncio.to_thread(resolve_source, cfg.source, cache_dir)
             server = EngineServer(cfg, path, top_priority)

@@ -6,6 +6,10 @@ vLLM's ``ray`` executor places its workers in the others.
 
 CPU: vLLM's ``mp`` executor forks its workers inside the replica's process tree, so the whole
 replica is one bundle holding the CPUs of every rank.
+
+Simulated (``simulated``): no engine runs, only one asyncio task that sleeps most of the time, so
+the replica reserves no CPU and takes no placement group (Ray refuses a bundle of zeros); 8-32 of
+them share a 2-core machine with the gateway.
 """
 
 from __future__ import annotations
@@ -32,10 +36,22 @@ def placement_strategy(cfg: ModelConfig) -> str:
     return "STRICT_PACK"
 
 
+def placement_options(cfg: ModelConfig) -> dict[str, Any]:
+    """Ray Serve's placement options of a model: its actor options and, unless it is simulated,
+    its placement group."""
+    opts: dict[str, Any] = {"ray_actor_options": actor_options(cfg)}
+    if cfg.simulated is None:
+        opts["placement_group_bundles"] = placement_bundles(cfg)
+        opts["placement_group_strategy"] = placement_strategy(cfg)
+    return opts
+
+
 def actor_options(cfg: ModelConfig) -> dict[str, Any]:
     """Options for the replica actor; they must fit in the first bundle."""
     acc = cfg.accelerator
-    if acc.kind == "cpu":
+    if cfg.simulated is not None:
+        num_cpus = 0.0
+    elif acc.kind == "cpu":
         num_cpus = acc.cpus_per_worker * cfg.world_size
     else:
         num_cpus = acc.cpus_per_worker
