@@ -59,9 +59,12 @@ class Pipeline:
     async def handle(
         self, key: KeyRecord, endpoint: Endpoint, body: dict[str, Any], size: int,
         clock: StageClock, trace: TraceContext, headers: Mapping[str, str] | None = None,
+        affinity: str | None = None,
     ) -> Answer:
         """``clock`` runs from the request's arrival at the front door (``timing``) and has its
-        ``parse_auth`` stage marked; every later stage is marked on the way down and up."""
+        ``parse_auth`` stage marked; every later stage is marked on the way down and up.
+        ``affinity``: the request's affinity key when its caller knows it (a stored response's
+        chain keeps its first turn's), else it is made from ``headers`` and ``body``."""
         route = self.router.resolve(body.get("model"), key)
         if route.task != endpoint.task:
             raise errors.InvalidRequest(
@@ -83,7 +86,7 @@ class Pipeline:
             tenant=key.owner,  # the prefix cache's salt: shared within an owner only
             arrival=clock.arrival,
             traceparent=trace.traceparent(),
-            affinity=affinity_key(key.owner, endpoint, headers or {}, body),
+            affinity=affinity or affinity_key(key.owner, endpoint, headers or {}, body),
         )
         # x-request-id is set by Ray Serve's proxy (bounded by gateway/http/proxy_middleware.py).
         try:

@@ -115,8 +115,9 @@ def test_previous_response_id_sends_the_whole_chain(env: StoredEnv) -> None:
              for i in sent["input"]]
     assert texts == ["one", "first", "two", "second", "three"]
     assert "instructions" not in sent  # OpenAI: instructions are not carried over
-    # The chain is one session: its turns share the affinity key, whatever their text.
-    assert env.models.calls[1].ctx["affinity"] == env.models.calls[2].ctx["affinity"]
+    # The chain is one session: its turns share the first turn's affinity key, whatever their
+    # text, so each goes where the chain's prefix is cached.
+    assert len({c.ctx["affinity"] for c in env.models.calls}) == 1
     items = env.get("/v1/responses/resp_t3/input_items?order=asc&limit=2", env.all_key).json()
     assert [i["content"][0]["text"] for i in items["data"]] == ["one", "first"]
     assert items["has_more"] is True

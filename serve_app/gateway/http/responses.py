@@ -32,11 +32,11 @@ def responses_router(endpoint: Endpoint, authenticate: Dependency, get_deps: Dep
                      d: Any = Depends(get_deps)) -> Response:
         clock = StageClock.for_request(request.scope, trust_stamp=d.trust_arrival_stamp)
         body, size = await read_json(request, d)
-        turn = await d.responses.prepare(key, body)
+        turn = await d.responses.prepare(key, endpoint, body, request.headers)
         clock.mark("parse_auth")
         trace = TraceContext.from_headers(request.headers)
         answer = await d.pipeline.handle(key, endpoint, turn.body, size, clock, trace,
-                                         d.responses.affinity_headers(turn, request.headers))
+                                         request.headers, affinity=turn.affinity)
         if turn.background:
             answer = await d.responses.start_background(key, turn, answer)
         else:

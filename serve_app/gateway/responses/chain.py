@@ -47,7 +47,10 @@ class Turn:
     stream: bool  # the client asked for a stream (a background run always streams internally)
     input_items: list[Any] = field(default_factory=list)
     previous_id: str | None = None
-    root: str | None = None  # the chain's first response (its affinity session)
+    root: str | None = None  # the chain's first response
+    # The chain's affinity key: its first turn's, so every turn goes where its prefix is cached
+    # (set by the service: ``StoredResponses.prepare``).
+    affinity: str | None = None
 
 
 def parse_turn(body: dict[str, Any], previous: dict[str, Any] | None) -> Turn:
@@ -73,7 +76,8 @@ def parse_turn(body: dict[str, Any], previous: dict[str, Any] | None) -> Turn:
         sent["stream"] = True
     return Turn(body=sent, store=store, background=background, stream=stream, input_items=items,
                 previous_id=previous["id"] if previous else None,
-                root=(previous.get("root") or previous["id"]) if previous else None)
+                root=(previous.get("root") or previous["id"]) if previous else None,
+                affinity=previous.get("affinity") if previous else None)
 
 
 def client_view(response: dict[str, Any], turn: Turn) -> dict[str, Any]:
@@ -86,6 +90,7 @@ def new_doc(response: dict[str, Any], turn: Turn, owner: str, key_id: str) -> di
     """The stored document of a response the model has answered (or begun, for a background one)."""
     rid = str(response["id"])
     return {"id": rid, "owner": owner, "key_id": key_id, "root": turn.root or rid,
+            "affinity": turn.affinity,
             "created_at": response.get("created_at") or int(time.time()),
             "background": turn.background, "heartbeat_at": time.time(),
             "response": client_view(response, turn), "input_items": turn.input_items}

@@ -38,7 +38,8 @@ from serve_app.gateway.responses.chain import (
     new_doc,
     parse_turn,
 )
-from serve_app.protocol import Answer
+from serve_app.gateway.routing.affinity import affinity_key
+from serve_app.protocol import Answer, Endpoint
 from serve_app.state.responses import ResponseDocs, valid_response_id
 
 logger = logging.getLogger("ray.serve")
@@ -98,8 +99,10 @@ class StoredResponses:
         await self.store.put(doc["id"], dump(doc), self.cfg.ttl_s)
 
     # ---- a new turn ------------------------------------------------------------------------
-    async def prepare(self, key: KeyRecord, body: dict[str, Any]) -> Turn:
-        """The turn ``body`` asks for, its ``previous_response_id`` resolved for ``key``'s tenant."""
+    async def prepare(self, key: KeyRecord, endpoint: Endpoint, body: dict[str, Any],
+                      headers: Mapping[str, str]) -> Turn:
+        """The turn ``body`` asks for, its ``previous_response_id`` resolved for ``key``'s tenant;
+        its affinity key is its chain's (the first turn's, made from its headers and body)."""
         prev_id = body.get("previous_response_id")
         previous = None
         if prev_id is not None:
@@ -115,12 +118,10 @@ class StoredResponses:
                     f"Previous response {prev_id!r} is {previous['response'].get('status')}; only "
                     "a completed or incomplete response can be continued",
                     param="previous_response_id")
-        return parse_turn(body, previous)
-
-    @staticmethod
-    def affinity_headers(turn: Turn, headers: Mapping[str, str]) -> Mapping[str, str]:
-        """A chained turn's session is its chain (the replica that holds its prefix)."""
-        return {"session-id": turn.root} if turn.root else headers
+        turn = parse_turn(body, previous)
+        if turn.affinity is None:
+            turn.affinity = affinity_key(key.owner, endpoint, headers, body)
+        return turn
 
     async def keep(self, key: KeyRecord, turn: Turn, answer: Answer) -> Answer:
         """``answer`` to the client, stored first when ``turn.store`` (a stream's response is
