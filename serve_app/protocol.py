@@ -85,6 +85,9 @@ class Endpoint:
     # GET/DELETE under the path; its HTTP route is gateway/http/responses.py, not the generic one.
     stored: bool = False
     id_prefix: str = ""  # the engine's request id, which the answer's id is, starts with it
+    # OpenTelemetry's gen_ai.operation.name of a call (its trace's model-call span); "" for the
+    # endpoints that run no model (tokenize, count_tokens, ...).
+    operation: str = ""
 
 
 ENDPOINTS: dict[str, Endpoint] = {
@@ -95,17 +98,18 @@ ENDPOINTS: dict[str, Endpoint] = {
             "vllm.entrypoints.openai.chat_completion.protocol:ChatCompletionRequest",
             "openai_serving_chat", "create_chat_completion",
             max_tokens_fields=("max_completion_tokens", "max_tokens"), stream_options=True,
+            operation="chat",
         ),
         Endpoint(
             "completions", "/v1/completions", "generate", "prompt",
             "vllm.entrypoints.openai.completion.protocol:CompletionRequest",
             "openai_serving_completion", "create_completion",
-            max_tokens_fields=("max_tokens",), stream_options=True,
+            max_tokens_fields=("max_tokens",), stream_options=True, operation="text_completion",
         ),
         Endpoint(
             "embeddings", "/v1/embeddings", "embed", "input",
             "vllm.entrypoints.pooling.embed.protocol:EmbeddingRequest",
-            "serving_embedding", "__call__",
+            "serving_embedding", "__call__", operation="embeddings",
         ),
         # OpenAI's Responses API (Codex). Stored by the gateway (store, previous_response_id,
         # background); a batch line is not (its body_check).
@@ -114,14 +118,14 @@ ENDPOINTS: dict[str, Endpoint] = {
             "vllm.entrypoints.openai.responses.protocol:ResponsesRequest",
             "openai_serving_responses", "create_responses",
             max_tokens_fields=("max_output_tokens",), error_event=True, dump_flags=("by_alias",),
-            body_check=_check_stateless, stored=True, id_prefix="resp_",
+            body_check=_check_stateless, stored=True, id_prefix="resp_", operation="chat",
         ),
         # Anthropic's Messages API (Claude Code), errors in Anthropic's envelope.
         Endpoint(
             "messages", "/v1/messages", "generate", "messages",
             "vllm.entrypoints.anthropic.protocol:AnthropicMessagesRequest",
             "anthropic_serving_messages", "create_messages", dialect="anthropic",
-            max_tokens_fields=("max_tokens",), dump_flags=("exclude_none",),
+            max_tokens_fields=("max_tokens",), dump_flags=("exclude_none",), operation="chat",
         ),
         Endpoint(
             "count_tokens", "/v1/messages/count_tokens", "generate", "messages",

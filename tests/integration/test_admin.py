@@ -31,6 +31,7 @@ from loadtests.harness.faults import find_replicas
 from loadtests.harness.stack import CLI, ROOT, Stack, StackError, start_stack
 from serve_app.app import GATEWAY_DEPLOYMENT
 from tests.integration.fuzz_corpus import admin_cases, check
+from tests.integration.otlp_sink import OtlpSink
 from tests.integration.rawhttp import request, send
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
@@ -42,9 +43,10 @@ CHAT = {"model": "tiny-chat", "messages": [{"role": "user", "content": "Tell me 
         "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
-def _edit(state_dir: Path) -> Any:
+def _edit(state_dir: Path, otlp_url: str) -> Any:
     def edit(args: dict[str, Any]) -> None:
         gateway = args["gateway"]
+        gateway.setdefault("accounting", {})["otlp_endpoint"] = otlp_url  # test_traces_*
         gateway.update(num_replicas=2, num_cpus=0.25)
         gateway.setdefault("state", {})["dir"] = str(state_dir)
         gateway.setdefault("keys", {})["store"] = "sqlite"
@@ -58,7 +60,15 @@ def _edit(state_dir: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def admin_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str]]:
+def otlp_sink() -> Iterator[OtlpSink]:
+    sink = OtlpSink()
+    yield sink
+    sink.close()
+
+
+@pytest.fixture(scope="module")
+def admin_stack(tmp_path_factory: pytest.TempPathFactory,
+                otlp_sink: OtlpSink) -> Iterator[tuple[Stack, str]]:
     """The stack, and an admin key made with ``serve-app keys create --role admin`` (the CLI
     writes the same SQLite store the gateways read)."""
     import subprocess
@@ -66,7 +76,8 @@ def admin_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stac
     workdir = tmp_path_factory.mktemp("admin-stack")
     state = workdir / "state"
     try:
-        stack = start_stack(ROOT / "configs/local.yaml", workdir, edit=_edit(state), timeout_s=900)
+        stack = start_stack(ROOT / "configs/local.yaml", workdir, edit=_edit(state, otlp_sink.url),
+                            timeout_s=900)
     except StackError as exc:
         pytest.fail(str(exc))
     try:
@@ -215,6 +226,39 @@ def test_the_openai_sdk_sends_one_request_on_a_spent_budget(admin_stack: tuple[S
     time.sleep(1.0)
     assert rejected() == before + 1, "the SDK retried a spent budget"
     assert took < 5.0, took
+
+
+def test_traces_follow_the_genai_conventions(admin_stack: tuple[Stack, str],
+                                            otlp_sink: OtlpSink) -> None:
+    """A client's trace, through the real OTLP exporter: the gateway's span, its stages, and the
+    model call as a GenAI CLIENT span with the engine's token counts."""
+    stack, admin = admin_stack
+    secret = _create(stack, admin, id="traced")
+    stack.wait_keys(accepted=[secret], timeout_s=5)
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    r = httpx.post(f"{stack.base_url}/chat/completions", timeout=120,
+                   headers={**_auth(secret), "traceparent": f"00-{trace_id}-{parent}-01"},
+                   json={"model": "tiny-chat", "max_tokens": 4, "temperature": 0.0,
+                         "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 20  # the exporter sends its batch every 5 s
+    while time.monotonic() < deadline and not any(
+            s.name == "chat tiny-chat" for s in otlp_sink.of_trace(trace_id)):
+        time.sleep(0.5)
+    spans = {s.name: s for s in otlp_sink.of_trace(trace_id)}
+    assert {"gateway", "chat tiny-chat", "admission", "engine"} <= set(spans), sorted(spans)
+    root, call = spans["gateway"], spans["chat tiny-chat"]
+    assert root.parent_id == parent and call.parent_id == root.span_id
+    assert call.kind == 3  # SPAN_KIND_CLIENT
+    usage = r.json()["usage"]
+    assert call.attributes["gen_ai.operation.name"] == "chat"
+    assert call.attributes["gen_ai.request.model"] == "tiny-chat"
+    assert call.attributes["gen_ai.response.model"] == "tiny-chat"
+    assert call.attributes["gen_ai.request.max_tokens"] == 4
+    assert call.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+    assert call.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+    assert root.start_ns <= call.start_ns < call.end_ns <= root.end_ns
+    assert call.start_ns >= spans["admission"].end_ns  # the gateway's time is not the engine's
 
 
 def test_admin_routes_take_the_hostile_corpus(admin_stack: tuple[Stack, str]) -> None:

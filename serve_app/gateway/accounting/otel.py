@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
+from serve_app.gateway.accounting.genai import AttributeValue
 from serve_app.gateway.accounting.timing import StageClock
 from serve_app.gateway.accounting.tracecontext import TraceContext
 
@@ -41,6 +42,10 @@ class _PresetIds(IdGenerator):
     def generate_trace_id(self) -> int:
         preset, self.next_trace_id = self.next_trace_id, None
         return preset if preset is not None else self._random.generate_trace_id()
+
+
+# The stages spent in the model replica and the engine (``timing.STAGES``): the model call.
+MODEL_STAGES = frozenset({"handle", "engine", "relay"})
 
 
 def _ns(t: float) -> int:
@@ -67,8 +72,12 @@ class StageSpans:
         return cls(OTLPSpanExporter(endpoint=endpoint), **kwargs)
 
     def export(self, ctx: TraceContext, clock: StageClock, *, end: float | None = None,
-               attributes: Mapping[str, str | int | float] | None = None) -> None:
+               attributes: Mapping[str, str | int | float] | None = None,
+               call: Mapping[str, AttributeValue] | None = None, call_name: str = "") -> None:
         """The ``gateway`` span (arrival -> ``end``) and its stage children; nothing if unsampled.
+        With ``call`` (the model call's ``gen_ai.*`` attributes), one more child, ``call_name``,
+        a CLIENT span from the hand-off to the model (the end of the gateway's own stages) to the
+        end: the engine's time, apart from the gateway's.
         Synchronous and not re-entrant: call it from the event loop's thread only."""
         if not ctx.sampled:
             return
@@ -85,11 +94,22 @@ class StageSpans:
                                        attributes=dict(attributes or {}))
         inside = trace.set_span_in_context(root)
         start = clock.arrival
+        handed_off = None  # when the gateway's own stages ended: the model call's start
         for stage, seconds in clock.durations().items():
+            if stage in MODEL_STAGES and handed_off is None:
+                handed_off = start
             span = self._tracer.start_span(stage, context=inside, start_time=_ns(start))
             span.end(end_time=_ns(start + seconds))
             start += seconds
-        root.end(end_time=_ns(max(finish, start)))
+        end_ns = _ns(max(finish, start))
+        if call is not None:
+            span = self._tracer.start_span(call_name or "model call", context=inside,
+                                           kind=trace.SpanKind.CLIENT,
+                                           start_time=_ns(handed_off if handed_off is not None
+                                                          else start),
+                                           attributes=dict(call))
+            span.end(end_time=end_ns)
+        root.end(end_time=end_ns)
 
     def shutdown(self) -> None:
         """Flush what is queued and stop (replica shutdown)."""

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from serve_app.config import KeyRecord, TierConfig
+from serve_app.gateway.accounting.genai import AttributeValue
 from serve_app.gateway.accounting.timing import StageClock, StageSink
 from serve_app.gateway.accounting.tracecontext import TraceContext
 from serve_app.metrics import GatewayMetrics
@@ -48,13 +49,17 @@ class Usage:
         self.stages = stages  # the per-stage histogram (``metrics.StageMetrics``)
         self.spans = spans  # OpenTelemetry export, when ``gateway.accounting.otlp_endpoint`` is set
 
-    def stages_finished(self, clock: StageClock, trace: TraceContext, *, tier: str, model: str) -> None:
-        """Where one request's time went: each stage into the histogram (and spans), once."""
+    def stages_finished(self, clock: StageClock, trace: TraceContext, *, tier: str, model: str,
+                        call: Mapping[str, AttributeValue] | None = None,
+                        call_name: str = "") -> None:
+        """Where one request's time went: each stage into the histogram (and spans), once;
+        ``call``: the model call's GenAI attributes (``genai``), a span of its own."""
         try:
             if self.stages is not None:
                 clock.observe(self.stages, tier=tier, model=model)
             if self.spans is not None:
-                self.spans.export(trace, clock, attributes={"tier": tier, "model": model})
+                self.spans.export(trace, clock, attributes={"tier": tier, "model": model},
+                                  call=call, call_name=call_name)
         except Exception:  # timing must never fail a request
             logger.warning("stage timings not recorded", exc_info=True)
 

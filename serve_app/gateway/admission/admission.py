@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from serve_app import errors
 from serve_app.config import AppConfig, KeyRecord, TierConfig
+from serve_app.gateway.accounting.genai import GenAiCall, request_attributes
 from serve_app.gateway.accounting.timing import StageClock
 from serve_app.gateway.accounting.tracecontext import TraceContext
 from serve_app.gateway.accounting.usage import Usage
@@ -157,6 +158,8 @@ class Admission:
             clock.mark("queue")
         fallback = model_ids[1] if len(model_ids) > 1 else None
         entry = Pass(key, self.tier(key), ticket, self, usage, fallback, clock, trace)
+        if endpoint.operation:  # its trace's model-call span (accounting/genai.py)
+            entry.call = GenAiCall(endpoint.operation, request_attributes(endpoint, body))
         entry.budget = hold
         return entry
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from serve_app import errors
 from serve_app.config import KeyRecord, TierConfig
+from serve_app.gateway.accounting.genai import GenAiCall
 from serve_app.gateway.accounting.timing import StageClock
 from serve_app.gateway.accounting.tracecontext import TraceContext
 from serve_app.gateway.accounting.usage import Usage
@@ -78,6 +79,7 @@ class Pass:
         self._fallback = fallback if fallback != ticket.model_id else None
         self._books: asyncio.Task[None] | None = None  # the one write of the books (``exit``)
         self.budget: BudgetHold | None = None  # the budgets' reservation, settled with the ticket
+        self.call: GenAiCall | None = None  # the model call's span attributes (a model endpoint)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -121,4 +123,7 @@ class Pass:
         else:
             await self._usage.finished(self.key, self.tier, self.model_id, out.status, out.tokens,
                                        out.ttft_s, out.duration_s)
-        self._usage.stages_finished(self.clock, self.trace, tier=self.key.tier, model=self.model_id)
+        call = (self.call.attributes(self.model_id, out.status, out.tokens, out.ttft_s)
+                if self.call is not None else None)
+        self._usage.stages_finished(self.clock, self.trace, tier=self.key.tier, model=self.model_id,
+                                    call=call, call_name=self.call.span_name() if self.call else "")
