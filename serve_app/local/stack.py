@@ -218,6 +218,11 @@ class LocalStack:
         Prometheus if asked."""
         print(f"OPENAI_BASE_URL={self.base_url}", flush=True)
         print(f"OPENAI_API_KEY={self.secret}", flush=True)
+        say("Try it: curl -s $OPENAI_BASE_URL/chat/completions -H \"Authorization: Bearer "
+            "$OPENAI_API_KEY\" -H 'Content-Type: application/json' -d '{\"model\": \"tiny-chat\", "
+            "\"max_tokens\": 16, \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'")
+        say(f"Console: {self.base_url.removesuffix('/v1')}/console (sign in with an admin key: "
+            ".venv/bin/serve-app keys create --id admin --role admin)")
         say(f"Ctrl-C stops everything. Logs: {LOGS}")
         if ready_file:
             Path(ready_file).write_text(json.dumps({"base_url": self.base_url}))

@@ -182,3 +182,61 @@ def test_cline(stack: Any, tmp_path: Path) -> None:
               if ln.startswith("{") and '"run_result"' in ln]
     assert result and result[-1]["finishReason"] != "error", result
     assert usage["requests"] >= 1 and usage["completion_tokens"] > 0
+
+
+def _spend(stack: Any, secret: str) -> None:
+    """One direct request with ``secret``: it uses up a 1-request-per-minute limit, or a tiny
+    budget (admitted or not, the budget is spent afterwards)."""
+    httpx.post(f"{stack.base_url}/chat/completions", timeout=120,
+               headers={"Authorization": f"Bearer {secret}"},
+               json={"model": "tiny-chat", "max_tokens": 4,
+                     "messages": [{"role": "user", "content": "hi"}]})
+
+
+def _claude(stack: Any, tmp_path: Path, secret: str) -> tuple[Any, Any, float]:
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"PATH": f"{CLIENTS_BIN}:/usr/bin:/bin:/usr/sbin:/sbin",
+           **claude_env(stack.root_url, home, secret)}
+    t0 = time.monotonic()
+    proc, bridge = run_isolated(
+        ["claude", "-p", "Say hello in one word.", "--model", "tiny-chat"],
+        port=_port(stack), workdir=tmp_path, env=env, timeout=TIMEOUT_S, stdin="",
+    )
+    return proc, bridge, time.monotonic() - t0
+
+
+def test_claude_stops_at_once_on_a_spent_budget(stack: Any, tmp_path: Path) -> None:
+    """A budget that is spent: 429 insufficient_quota with x-should-retry: false and the seconds
+    to the budget's reset. Claude Code stops at its first refusal and prints the gateway's
+    message, instead of retrying a bare 429 for minutes."""
+    secret = create_key(stack.keys_file, "agent-claude-broke", "premium", ["*"],
+                        budget={"tokens": 1, "period": "day"})
+    stack.wait_keys(accepted=[secret])
+    _spend(stack, secret)
+    proc, bridge, took = _claude(stack, tmp_path, secret)
+    _report("claude (spent budget)", proc, bridge, {})
+    model_calls = [r for r in bridge.requests if r.startswith("POST /v1/messages ")
+                   or r.startswith("POST /v1/messages?")]
+    print(f"[claude (spent budget)] {len(model_calls)} model requests, {took:.1f} s")
+    assert proc.returncode != 0
+    assert len(model_calls) == 1, bridge.requests  # no retry
+    assert "budget" in (proc.stdout + proc.stderr).lower()  # the gateway's message is shown
+    assert took < 60, took  # it did not sit out the budget's reset (a day) or retry for minutes
+
+
+def test_claude_waits_out_an_rpm_limit_and_succeeds(stack: Any, tmp_path: Path) -> None:
+    """A key at its requests-per-minute limit: 429 with Retry-After the true seconds until the
+    window has room (at most 60). Claude Code waits that long and then gets its answer."""
+    secret = create_key(stack.keys_file, "agent-claude-rpm", "premium", ["*"],
+                        limits={"rpm": 1})
+    stack.wait_keys(accepted=[secret])
+    _spend(stack, secret)
+    proc, bridge, took = _claude(stack, tmp_path, secret)
+    usage = _usage(stack, secret)
+    _report("claude (rpm 1)", proc, bridge, usage)
+    print(f"[claude (rpm 1)] statuses {bridge.statuses}, {took:.1f} s")
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "429" in bridge.statuses, bridge.statuses
+    assert "200" in bridge.statuses[bridge.statuses.index("429"):], bridge.statuses
+    assert usage["rejections"].get("rate_limit", 0) >= 1
