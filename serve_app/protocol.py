@@ -372,6 +372,10 @@ class Answer:
     body: bytes | None = None
     events: AsyncIterator[bytes] | None = None
     finish: Callable[[], Awaitable[None]] | None = None
+    # A stream's consumer calls this once its first bytes are out of its hands (written to the
+    # client's connection, or read by the batch runner): the request's time to first token ends
+    # there, not where the gateway got them.
+    written: Callable[[], None] | None = None
 
     async def read(self) -> bytes:
         """The whole answer's bytes (a stream's events joined), its request ended."""
@@ -380,6 +384,8 @@ class Answer:
         parts: list[bytes] = []
         try:
             async for part in self.events:
+                if not parts and self.written is not None:
+                    self.written()
                 parts.append(part)
         finally:
             if self.finish is not None:

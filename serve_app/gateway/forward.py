@@ -160,7 +160,7 @@ class Relay:
         self._first = first
         self._gen = gen
         # Time to first token as the client sees it: from the arrival at the front door to the
-        # first bytes handed to the server for the client (``timing``).
+        # first bytes handed to the server for the client (``written``, by the answer's consumer).
         self._ttft: float | None = None
         self.finished = False  # the model's stream ended (or was cancelled by the relay itself)
         # The engine's counts so far: the head has the prompt's, each chunk the completion's, and
@@ -176,9 +176,17 @@ class Relay:
         self._chunks: AsyncGenerator[bytes, None] | None = None
 
     def answer(self, headers: dict[str, str]) -> Answer:
-        """The stream as an ``Answer``: its events are ``chunks``, its ``finish`` is ``finish``."""
+        """The stream as an ``Answer``: its events are ``chunks``, its ``finish`` is ``finish``,
+        and its consumer says when the first bytes are out (``written``)."""
         self._chunks = self.chunks()
-        return Answer(200, headers, events=self._chunks, finish=self.finish)
+        return Answer(200, headers, events=self._chunks, finish=self.finish, written=self.written)
+
+    def written(self) -> None:
+        """The first bytes have left the gateway for the client: the ``relay`` stage and the time
+        to first token end now (they include the gateway's own write, under load too)."""
+        clock = self._admitted.clock
+        if not clock.marked("relay"):
+            self._ttft = clock.ttft_s(clock.mark("relay"))
 
     async def finish(self) -> None:
         """End the stream's request however its reading ended: close the events (a generator
@@ -193,8 +201,6 @@ class Relay:
         """The SSE bytes for the client; the request's end is ``end``'s, not this generator's."""
         cfg, model_id, gen = self._fwd.cfg, self._admitted.model_id, self._gen
         try:
-            clock = self._admitted.clock
-            self._ttft = clock.ttft_s(clock.mark("relay"))
             if self._first["body"]:
                 yield self._first["body"]
             while True:

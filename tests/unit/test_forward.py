@@ -379,3 +379,46 @@ def test_a_request_held_for_a_lost_replica_is_answered_503_once_none_runs() -> N
 
     _run(run())
     assert gen.cancelled
+
+
+def test_a_streams_time_to_first_token_ends_when_its_first_bytes_are_written() -> None:
+    """The TTFT is the client's: it ends once the server has taken the first body bytes for the
+    client's connection (a slow write counts), not when the gateway got them from the model."""
+    ledger = FakePass()
+    gen = FakeStream([head(200, b"data: 1\n\n", stream=True, tokens=tokens_of(3, 1)),
+                      (b"data: 2\n\n", 2), trailer(3, 2)])
+    fwd, _ = _forwarder(gen)
+    write_s = 0.2
+
+    async def scenario() -> float:
+        resp = await _forward(fwd, ledger=ledger)
+        started = time.time()
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.Event().wait()
+            return {}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and message.get("body"):
+                await asyncio.sleep(write_s)  # the client's connection takes its time
+
+        await resp({"type": "http"}, receive, send)
+        return started - ledger.clock.arrival
+
+    before = _run(scenario())
+    (out,) = ledger.outcomes
+    assert out.ttft_s is not None and out.ttft_s >= before + write_s
+
+
+def test_a_stream_read_by_the_batch_runner_has_a_ttft_too() -> None:
+    ledger = FakePass()
+    gen = FakeStream([head(200, b"data: 1\n\n", stream=True, tokens=tokens_of(3, 1)),
+                      trailer(3, 1)])
+    fwd, _ = _forwarder(gen)
+
+    async def scenario() -> bytes:
+        answer = await fwd.forward(ledger, ENDPOINTS["chat"], BODY, CTX, {})
+        return await answer.read()
+
+    assert _run(scenario()) == b"data: 1\n\n"
+    assert ledger.outcomes[0].ttft_s is not None

@@ -4,13 +4,15 @@ A complete answer is a JSON ``Response``. A stream is an ``AnswerStream``, which
 exactly once however the response ends: Starlette calls ``__call__`` for every response it sends,
 even when the client is gone before the body starts, and a ``finally`` inside the body iterator
 would then never run (the generator never started). So ``__call__``'s own ``finally`` awaits the
-answer's ``finish`` (which closes the events and exits the request's pass).
+answer's ``finish`` (which closes the events and exits the request's pass). It also tells the
+answer when its first body bytes have been handed to the server for the client (``written``):
+the request's time to first token ends there.
 """
 
 from __future__ import annotations
 
 from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from serve_app.protocol import Answer
 
@@ -25,6 +27,19 @@ class AnswerStream(StreamingResponse):
         self.answer = answer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        written = self.answer.written
+        if written is not None:
+            inner = send
+
+            async def send(message: Message) -> None:
+                nonlocal written
+                await inner(message)
+                # The first body bytes are on the client's connection: its time to first token.
+                if written is not None and message["type"] == "http.response.body" and message.get(
+                        "body"):
+                    done, written = written, None
+                    done()
+
         try:
             await super().__call__(scope, receive, send)
         finally:

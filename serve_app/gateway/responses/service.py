@@ -310,6 +310,8 @@ class BackgroundRun:
         assert self._answer.events is not None
         try:
             async for chunk in self._answer.events:
+                if self._answer.written is not None:  # its first bytes are in the gateway's hands
+                    self._answer.written()
                 for ev in splitter.feed(chunk):
                     kind = event_kind(ev)
                     if self.doc is None and kind == "response.created":
