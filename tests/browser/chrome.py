@@ -40,15 +40,19 @@ def running_chrome(tmp_path: Path) -> Iterator[Any]:
 
 
 def click_and_wait(driver: Any, button: Any) -> None:
-    """Click a link or a form's button and wait for the next page: a click may return before the
-    browser has left the old page, and an element found then is gone a moment later (stale)."""
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions
+    """Click a link or a form's button and wait until the next page has loaded: a click may
+    return before the browser has left the old page, and an element found then is gone a moment
+    later. The old page's window is marked, and the wait ends when the window has no mark (a new
+    document) and is loaded; while the page changes, the driver's errors only mean "not yet"
+    (chromium answers some of them as "Node ... does not belong to the document", not as stale)."""
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    old = driver.find_element(By.TAG_NAME, "html")
+    driver.execute_script("window.__serveAppOldPage = true")
     button.click()
-    WebDriverWait(driver, 20).until(expected_conditions.staleness_of(old))
+    WebDriverWait(driver, 20, ignored_exceptions=(WebDriverException,)).until(
+        lambda d: d.execute_script("return window.__serveAppOldPage === undefined "
+                                   "&& document.readyState === 'complete'"))
 
 
 def sign_in(driver: Any, url: str, key: str) -> None:
