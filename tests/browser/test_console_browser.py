@@ -20,10 +20,10 @@ import uvicorn
 from serve_app.gateway.http.api import build_api
 from serve_app.gateway.keys.ops import KeyOps
 from serve_app.local.ports import free_port
+from tests.browser.chrome import click_and_wait, running_chrome, sign_in
 from tests.keys import run
 from tests.unit.test_admin_api import Admin
 
-CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
 
 
@@ -51,28 +51,10 @@ class Served:
         self.thread.join(10)
 
 
-def _chrome(tmp_path: Path) -> Any:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = str(CHROMIUM)
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1280,900", f"--user-data-dir={tmp_path / 'chrome-profile'}"):
-        opts.add_argument(flag)
-    return webdriver.Chrome(options=opts, service=Service(executable_path=str(DRIVER)))
-
-
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[Any]:
-    if not (CHROMIUM.exists() and DRIVER.exists()):
-        pytest.skip("chromium is not installed (run scripts/system-deps.sh)")
-    driver = _chrome(tmp_path)
-    try:
+    with running_chrome(tmp_path) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def _shot(driver: Any, page: str) -> None:
@@ -81,27 +63,6 @@ def _shot(driver: Any, page: str) -> None:
         driver.set_window_size(1280, max(600, min(int(height) + 40, 2400)))
         driver.save_screenshot(str(IMG / f"console-{page}.png"))
         driver.set_window_size(1280, 900)
-
-
-def click_and_wait(driver: Any, button: Any) -> None:
-    """Click a link or a form's button and wait for the next page: a click may return before the browser has
-    left the old page, and an element found then is gone a moment later (stale)."""
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    old = driver.find_element(By.TAG_NAME, "html")
-    button.click()
-    WebDriverWait(driver, 20).until(expected_conditions.staleness_of(old))
-
-
-def sign_in(driver: Any, url: str, key: str) -> None:
-    from selenium.webdriver.common.by import By
-
-    driver.get(url + "/console/signin")
-    driver.find_element(By.CSS_SELECTOR, "label[for=key]")  # the field is labelled
-    driver.find_element(By.ID, "key").send_keys(key)
-    click_and_wait(driver, driver.find_element(By.CSS_SELECTOR, "form button[type=submit]"))
 
 
 def test_sign_in_create_list_and_revoke_a_key(browser: Any, tmp_path: Path) -> None:
