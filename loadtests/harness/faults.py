@@ -3,6 +3,7 @@
 - ``find_replica`` / ``find_engine_core``: the pids of a Ray Serve replica and of its vLLM engine
   core process, among the descendants of a stack (by process title: Ray names replica processes
   ``ray::ServeReplica:<app>:<deployment>``, vLLM names its engine ``VLLM::EngineCore``).
+- ``kill_and_replace``: SIGKILL a replica and wait for Ray Serve to replace it.
 - ``Prober``: one client sending small requests back to back, recording each answer's status,
   ``Retry-After`` and duration: the time to the first clean 503 after a kill, and to recovery.
 - ``StreamLoad``: a few clients streaming with the real openai SDK, each request classified by
@@ -40,6 +41,24 @@ def find_replicas(root: int, deployment: str, app: str = APP_NAME) -> list[int]:
     # ".method" to the title while an actor runs a task.
     title = re.compile(rf"^ray::ServeReplica:{re.escape(app)}:{re.escape(deployment)}(?:[.\s]|$)")
     return sorted(pid for pid in descendants(root) if title.match(_title(pid)))
+
+
+def kill_and_replace(root: int, deployment: str, timeout_s: float = 120.0) -> None:
+    """SIGKILL one replica of ``deployment`` and wait until Ray Serve has as many again (a gateway
+    replica's restart, seen from outside)."""
+    import os
+    import signal
+
+    before = find_replicas(root, deployment)
+    assert before, f"no replica of {deployment} to kill"
+    os.kill(before[0], signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = find_replicas(root, deployment)
+        if len(now) >= len(before) and before[0] not in now:
+            return
+        time.sleep(1)
+    raise AssertionError(f"the killed {deployment} replica was not replaced within {timeout_s} s")
 
 
 def find_engine_core(replica_pid: int) -> int | None:

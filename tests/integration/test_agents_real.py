@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from loadtests.harness.faults import kill_and_replace
 from tests.integration.agents import CLIENTS_BIN, can_unshare, run_isolated
 from tests.keys import create_key
 
@@ -96,15 +97,20 @@ wire_api = "responses"
 '''
 
 
-def test_codex_exec(stack: Any, tmp_path: Path) -> None:
-    secret = _agent_key(stack, "agent-codex")
+def codex_env(stack: Any, tmp_path: Path, secret: str) -> dict[str, str]:
+    """A fresh HOME and CODEX_HOME with docs/CLIENTS.md's config, and the key in its variable."""
     codex_home = tmp_path / "codex-home"
     codex_home.mkdir()
     (codex_home / "config.toml").write_text(codex_config(stack.base_url))
     home = tmp_path / "home"
     home.mkdir()
-    env = {"PATH": f"{CLIENTS_BIN}:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home),
-           "CODEX_HOME": str(codex_home), "SERVE_APP_API_KEY": secret}
+    return {"PATH": f"{CLIENTS_BIN}:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home),
+            "CODEX_HOME": str(codex_home), "SERVE_APP_API_KEY": secret}
+
+
+def test_codex_exec(stack: Any, tmp_path: Path) -> None:
+    secret = _agent_key(stack, "agent-codex")
+    env = codex_env(stack, tmp_path, secret)
     proc, bridge = run_isolated(
         ["codex", "exec", "--skip-git-repo-check", "Say hello in one word."],
         port=_port(stack), workdir=tmp_path, env=env, timeout=TIMEOUT_S, stdin="",
@@ -119,6 +125,41 @@ def test_codex_exec(stack: Any, tmp_path: Path) -> None:
     assert "404" not in bridge.statuses and "401" not in bridge.statuses
     assert usage["requests"] >= 1 and usage["completion_tokens"] > 0
     assert usage["prompt_tokens"] > 5000  # Codex's instructions and tools reached the model
+
+
+def test_codex_session_of_three_turns_through_a_gateway_death(stack: Any, tmp_path: Path) -> None:
+    """A Codex session resumed twice (`codex exec resume --last`), with a gateway replica killed
+    between turns 2 and 3: Codex sends its whole conversation each turn (store: false), so the
+    session does not depend on any gateway or engine replica."""
+    secret = _agent_key(stack, "agent-codex-3")
+    env = codex_env(stack, tmp_path, secret)
+    prompts: list[int] = []  # each turn's prompt tokens per request, from the gateway's books
+    seen = {"requests": 0, "prompt_tokens": 0}
+
+    def turn(*args: str) -> None:
+        proc, bridge = run_isolated(["codex", "exec", "--skip-git-repo-check", *args],
+                                    port=_port(stack), workdir=tmp_path, env=env,
+                                    timeout=TIMEOUT_S, stdin="")
+        _report(f"codex turn {len(prompts) + 1}", proc, bridge, {})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        usage: dict[str, Any] = {}
+        for _ in range(20):
+            usage = httpx.get(f"{stack.base_url}/usage", timeout=10,
+                              headers={"Authorization": f"Bearer {secret}"}).json()
+            if usage["requests"] > seen["requests"]:
+                break
+            time.sleep(0.5)
+        requests = usage["requests"] - seen["requests"]
+        assert requests >= 1
+        prompts.append((usage["prompt_tokens"] - seen["prompt_tokens"]) // requests)
+        seen.update(requests=usage["requests"], prompt_tokens=usage["prompt_tokens"])
+
+    turn("Say hello in one word.")
+    turn("resume", "--last", "Say it again.")
+    kill_and_replace(stack.proc.pid, "gateway")
+    turn("resume", "--last", "Once more.")
+    print(f"[codex session] prompt tokens per request, by turn: {prompts}")
+    assert prompts[0] < prompts[1] < prompts[2]  # each turn carried the conversation so far
 
 
 def claude_env(root_url: str, home: Path, secret: str, model: str = "tiny-chat") -> dict[str, str]:

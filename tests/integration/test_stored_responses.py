@@ -5,15 +5,13 @@ another tenant's reads."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Iterator
 
 import openai
 import pytest
 
-from loadtests.harness.faults import find_replicas
+from loadtests.harness.faults import kill_and_replace
 
 pytestmark = pytest.mark.integration
 
@@ -26,17 +24,7 @@ def oai(stack) -> Iterator[openai.OpenAI]:
 
 
 def _kill_a_gateway_and_wait(stack) -> None:
-    """SIGKILL one gateway replica and wait until Ray Serve has two again and both answer."""
-    gateways = find_replicas(stack.proc.pid, "gateway")
-    assert len(gateways) >= 2, gateways
-    os.kill(gateways[0], signal.SIGKILL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        now = find_replicas(stack.proc.pid, "gateway")
-        if len(now) >= 2 and gateways[0] not in now:
-            return
-        time.sleep(1)
-    raise AssertionError("the killed gateway replica was not replaced within 120 s")
+    kill_and_replace(stack.proc.pid, "gateway")
 
 
 def test_a_chain_of_turns_survives_other_models_and_a_gateway_death(stack, oai) -> None:
