@@ -30,10 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
+import resource
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -111,19 +114,66 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100.0 * (len(s) - 1))))] if s else float("nan")
 
 
-def gateway_cpu_s(stack: harness.Stack) -> float:
-    return sum(v for k, v in procs.cpu_seconds(stack.proc.pid).items() if ":gateway" in k)
+BUCKET = re.compile(r'^ray_vllm_time_to_first_token_seconds_bucket\{([^}]*)\} ([0-9.eE+-]+)$')
+
+
+def ttft_buckets(urls: list[str], model: str) -> dict[float, float]:
+    """The engines' TTFT histogram (modelled seconds), cumulative counts by upper bound, summed
+    over the model's replicas."""
+    out: dict[float, float] = {}
+    for url in urls:
+        with urllib.request.urlopen(url, timeout=10) as r:  # noqa: S310 (the node's own export)
+            lines = r.read().decode().splitlines()
+        for line in lines:
+            m = BUCKET.match(line)
+            if not m:
+                continue
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            if labels.get("model_name") == model:
+                le = float(labels["le"])
+                out[le] = out.get(le, 0.0) + float(m.group(2))
+    return out
+
+
+def quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """Prometheus' histogram_quantile over the counts between two scrapes (linear within a
+    bucket), in seconds."""
+    bounds = sorted(after)
+    cum = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not cum or cum[-1] <= 0:
+        return float("nan")
+    rank, lo, prev = q * cum[-1], 0.0, 0.0
+    for b, c in zip(bounds, cum, strict=True):
+        if c >= rank:
+            if b == float("inf"):
+                return lo
+            return lo + (b - lo) * (rank - prev) / max(1e-12, c - prev)
+        lo, prev = b, c
+    return lo
+
+
+def cpu_by_kind(stack: harness.Stack) -> dict[str, float]:
+    """CPU seconds so far: the gateway replicas, the model replicas, the rest of the stack (Ray's
+    processes, the proxy) and this process (the load client)."""
+    out = {"gateway": 0.0, "model replicas": 0.0, "ray and proxy": 0.0}
+    for k, v in procs.cpu_seconds(stack.proc.pid).items():
+        out["gateway" if ":gateway" in k else "model replicas" if ":model-" in k else "ray and proxy"] += v
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    out["client"] = me.ru_utime + me.ru_stime
+    return out
 
 
 def one_router(stack: harness.Stack, urls: list[str], model: str, ns: argparse.Namespace,
                keys: list[str], seed: int) -> dict[str, Any]:
     sessions = sessions_for(ns, keys, seed)
     user_tokens = max(1, ns.turn_tokens - ns.max_tokens)
-    before, cpu0, t0 = scrape(urls), gateway_cpu_s(stack), time.monotonic()
+    before, hist0, cpu0, t0 = scrape(urls), ttft_buckets(urls, model), cpu_by_kind(stack), time.monotonic()
     # run_load's user messages are words; about user_tokens of them.
     results = run_load(stack.base_url, model, sessions, ns, max(1, user_tokens * CHARS_PER_TOKEN // 6), seed)
-    took, cpu = time.monotonic() - t0, gateway_cpu_s(stack) - cpu0
+    took, cpu1 = time.monotonic() - t0, cpu_by_kind(stack)
+    cpu = {k: round(cpu1[k] - cpu0[k], 1) for k in cpu1}
     after = settled(urls)
+    hist = ttft_buckets(urls, model)
 
     def delta(metric: str) -> dict[str, float]:
         return {r: v - before.get((n, m, r), 0.0) for (n, m, r), v in after.items()
@@ -145,7 +195,12 @@ def one_router(stack: harness.Stack, urls: list[str], model: str, ns: argparse.N
         "replica_requests": counts,
         # Busiest replica over the mean of all of them (a replica with none counts as 0).
         "skew": counts[0] / (sum(counts) / ns.replicas) if counts else float("nan"),
-        "gateway_cpu_s": round(cpu, 1),
+        # In the engines, modelled: from arrival at the replica's scheduler to the first token.
+        "engine_ttft_p50_ms": quantile(hist0, hist, 0.5) * 1000.0,
+        "engine_ttft_p95_ms": quantile(hist0, hist, 0.95) * 1000.0,
+        "gateway_cpu_s": cpu["gateway"],
+        "cpu_s": cpu,
+        "cpu_cores": round(sum(cpu.values()) / took, 2),
     }
 
 
@@ -183,22 +238,32 @@ def markdown(doc: dict[str, Any]) -> str:
         f"growing ~{p['turn_tokens']} tokens a turn for {p['turns']} turns, all sessions in flight; "
         f"replies of {p['max_tokens']} tokens. Skew: busiest replica's requests over the mean of "
         "all replicas. Hit ratio: the engines' prefix-cache counters.", "",
-        "| Router | Requests | Hit ratio | Cached (answers) | TTFT p50 ms (modelled) | TTFT p95 ms "
-        "(modelled) | Warm-turn TTFT p50 ms | Skew | Requests per replica | Gateway CPU s | Run s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+        "Client TTFT: wall time at the client to the first content token, x the time scale. Engine "
+        "TTFT: the engines' own histogram (ray_vllm_time_to_first_token_seconds, modelled time from "
+        "the replica's scheduler queue to the first token; Prometheus-style quantile within buckets), "
+        "so the difference is the client's, the gateway's and Ray Serve's share on this CPU.", "",
+        "| Router | Requests | Hit ratio | Cached (answers) | Client TTFT p50 / p95 ms | Engine "
+        "TTFT p50 / p95 ms | Warm-turn client TTFT p50 ms | Skew | Requests per replica | "
+        "Gateway CPU s | CPU cores used | Run s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for model, label in ((AFFINITY, "affinity"), (DEFAULT, "power of two choices")):
         x = r[model]
         per = " / ".join(str(v) for v in x["replica_requests"])
         lines.append(
             f"| {label} | {x['requests']} | {x['hit_ratio']:.3f} | {x['cached_ratio']:.3f} | "
-            f"{x['ttft_p50_ms'] * ts:.0f} | {x['ttft_p95_ms'] * ts:.0f} | {x['warm_ttft_p50_ms'] * ts:.0f} | "
-            f"{x['skew']:.2f} | {per} | {x['gateway_cpu_s']:.1f} | {x['seconds']:.0f} |")
+            f"{x['ttft_p50_ms'] * ts:.0f} / {x['ttft_p95_ms'] * ts:.0f} | "
+            f"{x['engine_ttft_p50_ms']:.0f} / {x['engine_ttft_p95_ms']:.0f} | {x['warm_ttft_p50_ms'] * ts:.0f} | "
+            f"{x['skew']:.2f} | {per} | {x['gateway_cpu_s']:.1f} | {x['cpu_cores']:.2f} | {x['seconds']:.0f} |")
     pr = doc["probe"]
     lines += [
         "",
-        f"- TTFT affinity/default: p50 {a['ttft_p50_ms'] / d['ttft_p50_ms']:.2f}x, "
-        f"p95 {a['ttft_p95_ms'] / d['ttft_p95_ms']:.2f}x",
+        f"- client TTFT affinity/default: p50 {a['ttft_p50_ms'] / d['ttft_p50_ms']:.2f}x, "
+        f"p95 {a['ttft_p95_ms'] / d['ttft_p95_ms']:.2f}x; engine TTFT: p50 "
+        f"{a['engine_ttft_p50_ms'] / d['engine_ttft_p50_ms']:.2f}x, "
+        f"p95 {a['engine_ttft_p95_ms'] / d['engine_ttft_p95_ms']:.2f}x",
+        "- CPU seconds by process kind (affinity / default): "
+        + ", ".join(f"{k} {a['cpu_s'][k]:.1f} / {d['cpu_s'][k]:.1f}" for k in a["cpu_s"]),
         f"- gateway CPU: {a['gateway_cpu_s']:.1f} s / {d['gateway_cpu_s']:.1f} s over "
         f"{a['seconds']:.0f} s / {d['seconds']:.0f} s runs "
         f"({a['gateway_cpu_s'] / max(1.0, a['seconds']):.2f} / {d['gateway_cpu_s'] / max(1.0, d['seconds']):.2f} cores)",
