@@ -22,7 +22,7 @@ first turn, and must get ``cached_tokens`` 0.
 EVERY FIGURE HERE IS SIMULATED: the GPUs, their step times and their KV caches are modelled.
 The client, the gateway, Ray Serve and the replicas' Python are real and share this machine's
 2 cores, so their overhead is in the wall times (and, scaled, in the modelled ones).
-Results: ``results/bench/fleet-<stamp>.{json,md}`` (``--results-dir``).
+Results: ``results/bench/fleet-<stamp>.{json,md,png}`` (``--results-dir``).
 """
 
 from __future__ import annotations
@@ -274,6 +274,37 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(doc: dict[str, Any], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r, ts = doc["routers"], doc["params"]["time_scale"]
+    sides = ((AFFINITY, "affinity router"), (DEFAULT, "power of two choices"))
+    panels: tuple[tuple[str, list[str], float], ...] = (
+        ("prefix hit ratio (engines' counters)", ["hit_ratio"], 1.0),
+        ("TTFT ms (client, modelled)", ["ttft_p50_ms", "ttft_p95_ms"], ts),
+        ("skew: busiest replica / mean", ["skew"], 1.0))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, (title, names, scale) in zip(axes, panels, strict=True):
+        ticks = [n.removesuffix("_ms").replace("_", " ") for n in names]
+        for j, (model, label) in enumerate(sides):
+            ys = [float(r[model][n]) * scale for n in names]
+            ax.bar([i + (j - 0.5) * 0.4 for i in range(len(ys))], ys, 0.4, label=label)
+        ax.set_xticks(range(len(ticks)), ticks)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    p = doc["params"]
+    fig.suptitle(f"SIMULATED: {p['replicas']} H100 replicas of Llama-3.1-8B per router, {p['sessions']} "
+                 f"sessions of {p['prompt_tokens'] // 1000}k-token prompts, {p['turns']} turns", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     run = procs.new_run("fleet", "loadtests.bench.fleet", ns.config, ns.results_dir, argv)
@@ -297,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
            "params": {k: v for k, v in vars(ns).items() if k not in ("results_dir", "config")},
            "routers": routers, "probe": found}
     procs.write_results(run.base, doc, markdown(doc))
+    say(f"wrote {plot(doc, run.base.with_suffix('.png'))}")
     return 0
 
 
