@@ -77,3 +77,9 @@ clean:
 .PHONY: bench-affinity
 bench-affinity: install
 	$(PY) -m loadtests.bench.affinity
+
+# SIMULATED fleet (issue 39): 8 simulated H100 replicas of Llama-3.1-8B per router, 64 agent
+# sessions of 30k-token prompts, the affinity router against the default (docs/perf/fleet-*).
+.PHONY: bench-fleet
+bench-fleet: install
+	$(PY) -m loadtests.bench.fleet --results-dir docs/perf
