@@ -23,6 +23,7 @@ in the namespace (Cline's hub daemon outlives its command), so no pipe stays ope
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -95,16 +96,20 @@ class Bridge:
         self.statuses: list[str] = []
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.AbstractServer | None = None
+        self._writers: list[asyncio.StreamWriter] = []
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
     async def _on_client(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self._writers.append(w)
         try:
             up_r, up_w = await asyncio.open_connection("127.0.0.1", self.port)
         except OSError:
             w.close()
             return
-        await _splice(r, w, up_r, up_w, self.requests, self.statuses)
+        self._writers.append(up_w)
+        with contextlib.suppress(asyncio.CancelledError):  # the bridge is closing
+            await _splice(r, w, up_r, up_w, self.requests, self.statuses)
 
     def __enter__(self) -> Bridge:
         self._thread.start()
@@ -122,6 +127,11 @@ class Bridge:
                 task.cancel()
             # Let each connection's task run its finally (it closes its sockets).
             await asyncio.gather(*tasks, return_exceptions=True)
+            # A closed writer whose peer stopped reading keeps its socket open until its buffer
+            # drains, which would be never: abort them all, so no socket outlives the bridge.
+            for writer in self._writers:
+                writer.transport.abort()
+            await asyncio.sleep(0)
             if self._server is not None:
                 await self._server.wait_closed()
 
