@@ -16,7 +16,7 @@ import asyncio
 import re
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from pydantic import ValidationError
 from starlette.responses import RedirectResponse, Response
 
@@ -52,36 +52,53 @@ class Ctx:
         return await act_as(self.d.audit, self.key, action, target, fn)
 
 
-async def _signed_in(request: Request) -> Ctx | Response:
-    """The request's session, or the response that refuses it (sign-in page, 503)."""
+class Refused(Exception):
+    """A console request turned away before its route runs: ``response`` is what it gets (the
+    sign-in page, a 403 or the 503 without a secret). ``mount_console`` registers the handler."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+async def signed_in(request: Request) -> Ctx:
+    """The request's session (a route's dependency), or ``Refused`` (sign-in page, 503)."""
     signer = await signer_for(request)
     if signer is None:
-        return pages.no_secret()
+        raise Refused(pages.no_secret())
     session = signer.read(request.cookies.get(COOKIE))
     if session is None:
-        return to_signin()
+        raise Refused(to_signin())
     d = request.app.state.deps
     key = d.keys.by_id(session.key_id)
     if not signer.belongs(session, key):
-        return to_signin()
+        raise Refused(to_signin())
     assert key is not None
     return Ctx(request, signer, session, key)
 
 
-async def _posted(request: Request) -> tuple[Ctx, dict[str, str]] | Response:
-    """A state-changing POST: same site, signed in, and carrying the session's CSRF token."""
+async def posted(request: Request) -> tuple[Ctx, dict[str, str]]:
+    """A state-changing POST (a route's dependency): same site, signed in, and carrying the
+    session's CSRF token; else ``Refused``."""
     if cross_site(request.headers):
-        return pages.refused(403, "Cross-site request refused.")
-    ctx = await _signed_in(request)
-    if isinstance(ctx, Response):
-        return ctx if ctx.status_code != 303 else pages.refused(403, "Not signed in.")
+        raise Refused(pages.refused(403, "Cross-site request refused."))
+    try:
+        ctx = await signed_in(request)
+    except Refused as exc:
+        if exc.response.status_code == 303:
+            raise Refused(pages.refused(403, "Not signed in.")) from None
+        raise
     try:
         form = await read_form(request)
     except errors.ServeAppError as exc:
-        return pages.refused(exc.status, str(exc))
+        raise Refused(pages.refused(exc.status, str(exc))) from None
     if not ctx.signer.csrf_ok(ctx.session, form.get("csrf")):
-        return pages.refused(403, "Missing or wrong CSRF token: reload the page and try again.")
+        raise Refused(pages.refused(403, "Missing or wrong CSRF token: reload the page and try again."))
     return ctx, form
+
+
+SignedIn = Depends(signed_in)
+Posted = Depends(posted)
 
 
 def _new_key(form: dict[str, str], tiers: Any) -> NewKey:
@@ -112,9 +129,8 @@ def build_console_router() -> APIRouter:
         return pages.respond(pages.keys(records, ctx.d.cfg.tiers, ctx.csrf, ctx.key.id, **kw), status)
 
     @router.get("")
-    async def home(request: Request) -> Response:
-        ctx = await _signed_in(request)
-        return ctx if isinstance(ctx, Response) else RedirectResponse("/console/keys", 303)
+    async def home(ctx: Ctx = SignedIn) -> Response:
+        return RedirectResponse("/console/keys", 303)
 
     @router.get("/signin")
     async def signin_form() -> Response:
@@ -145,25 +161,18 @@ def build_console_router() -> APIRouter:
         return resp
 
     @router.post("/signout")
-    async def signout(request: Request) -> Response:
-        got = await _posted(request)
-        if isinstance(got, Response):
-            return got
+    async def signout(got: tuple[Ctx, dict[str, str]] = Posted) -> Response:
         ctx, _ = got
         if ctx.d.audit is not None:
             ctx.d.audit.record("console.signout", actor=ctx.key.id, target=None, result="ok")
         return to_signin()
 
     @router.get("/keys")
-    async def keys(request: Request) -> Response:
-        ctx = await _signed_in(request)
-        return ctx if isinstance(ctx, Response) else await keys_page(ctx)
+    async def keys(ctx: Ctx = SignedIn) -> Response:
+        return await keys_page(ctx)
 
     @router.post("/keys")
-    async def create(request: Request) -> Response:
-        got = await _posted(request)
-        if isinstance(got, Response):
-            return got
+    async def create(got: tuple[Ctx, dict[str, str]] = Posted) -> Response:
         ctx, form = got
         try:
             body = _new_key(form, ctx.d.cfg.tiers)
@@ -176,10 +185,7 @@ def build_console_router() -> APIRouter:
                                secret=(body.id, issued.secret))
 
     @router.post("/keys/{key_id}/{verb}")
-    async def change(key_id: str, verb: str, request: Request) -> Response:
-        got = await _posted(request)
-        if isinstance(got, Response):
-            return got
+    async def change(key_id: str, verb: str, got: tuple[Ctx, dict[str, str]] = Posted) -> Response:
         ctx, _ = got
         ops = KeyOps(ctx.d.keys)
         try:
@@ -197,10 +203,7 @@ def build_console_router() -> APIRouter:
         return pages.refused(404, "Unknown action.")
 
     @router.get("/usage")
-    async def usage(request: Request) -> Response:
-        ctx = await _signed_in(request)
-        if isinstance(ctx, Response):
-            return ctx
+    async def usage(request: Request, ctx: Ctx = SignedIn) -> Response:
         q = {k: request.query_params.get(k, "").strip()[:128]
              for k in ("key_id", "tenant", "model", "period")}
         try:
@@ -213,28 +216,19 @@ def build_console_router() -> APIRouter:
         return pages.respond(pages.usage(report, q, ctx.csrf, ctx.key.id))
 
     @router.get("/sla")
-    async def sla(request: Request) -> Response:
-        ctx = await _signed_in(request)
-        if isinstance(ctx, Response):
-            return ctx
+    async def sla(ctx: Ctx = SignedIn) -> Response:
         rows, note = await sla_rows(ctx.d)
         return pages.respond(pages.sla(rows, note, ctx.csrf, ctx.key.id))
 
     @router.get("/batches")
-    async def batches(request: Request) -> Response:
-        ctx = await _signed_in(request)
-        if isinstance(ctx, Response):
-            return ctx
+    async def batches(ctx: Ctx = SignedIn) -> Response:
         if ctx.d.batch is None:
             return pages.respond(pages.batches([], "The Batch API is off on this gateway.", ctx.csrf, ctx.key.id))
         docs = [vars(b) for b in await ctx.d.batch.store.recent(100)]
         return pages.respond(pages.batches(docs, None, ctx.csrf, ctx.key.id))
 
     @router.get("/audit")
-    async def audit(request: Request) -> Response:
-        ctx = await _signed_in(request)
-        if isinstance(ctx, Response):
-            return ctx
+    async def audit(ctx: Ctx = SignedIn) -> Response:
         if ctx.d.audit is None or ctx.d.audit.file is None:
             note = "No audit file: set gateway.state.dir (audit events are only counted now)."
             return pages.respond(pages.audit([], note, ctx.csrf, ctx.key.id))
@@ -254,3 +248,9 @@ def mount_console(app: FastAPI) -> None:
     """Add the console's routes to the gateway's app (``api.build_api``), unless it is off."""
     if app.state.deps.cfg.gateway.console.enabled:
         app.include_router(build_console_router())
+        app.add_exception_handler(Refused, on_refused)
+
+
+async def on_refused(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, Refused)
+    return exc.response
