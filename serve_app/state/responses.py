@@ -37,6 +37,7 @@ class ResponseDocs(Protocol):
     async def delete(self, resp_id: str) -> bool: ...
     async def append(self, resp_id: str, events: list[bytes], ttl_s: float) -> None: ...
     async def events(self, resp_id: str, after: int) -> list[bytes]: ...
+    async def event_count(self, resp_id: str) -> int: ...
     async def request_cancel(self, resp_id: str, ttl_s: float) -> None: ...
     async def cancel_requested(self, resp_id: str) -> bool: ...
 
@@ -87,6 +88,9 @@ class MemoryResponseStore:
 
     async def events(self, resp_id: str, after: int) -> list[bytes]:
         return list(self._events.get(resp_id, [])[max(after + 1, 0):])
+
+    async def event_count(self, resp_id: str) -> int:
+        return len(self._events.get(resp_id, []))
 
     async def request_cancel(self, resp_id: str, ttl_s: float) -> None:
         self._cancels.add(resp_id)
@@ -168,6 +172,14 @@ class SqliteResponseStore:
 
         return await self._file.run(events)
 
+    async def event_count(self, resp_id: str) -> int:
+        def count(db: sqlite3.Connection) -> int:
+            self._schema(db)
+            row = db.execute("SELECT COUNT(*) FROM response_events WHERE id = ?", (resp_id,)).fetchone()
+            return int(row[0])
+
+        return await self._file.run(count)
+
     async def request_cancel(self, resp_id: str, ttl_s: float) -> None:
         def cancel(db: sqlite3.Connection) -> None:
             self._schema(db)
@@ -224,6 +236,9 @@ class RedisResponseStore:
     async def events(self, resp_id: str, after: int) -> list[bytes]:
         raws = await self._redis.lrange(self._keys(resp_id)[1], max(after + 1, 0), -1)
         return [_bytes(r) for r in raws]
+
+    async def event_count(self, resp_id: str) -> int:
+        return int(await self._redis.llen(self._keys(resp_id)[1]))
 
     async def request_cancel(self, resp_id: str, ttl_s: float) -> None:
         await self._redis.set(self._keys(resp_id)[2], b"1", px=int(ttl_s * 1000))

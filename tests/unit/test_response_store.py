@@ -36,11 +36,13 @@ async def _check(store: ResponseDocs, expire: Callable[[], None] | None) -> None
     assert await store.events("resp_1", -1) == [b"e0", b"e1", b"e2"]
     assert await store.events("resp_1", 1) == [b"e2"]
     assert await store.events("resp_1", 2) == []
+    assert await store.event_count("resp_1") == 3 and await store.event_count("resp_2") == 0
     assert not await store.cancel_requested("resp_1")
     await store.request_cancel("resp_1", 60)
     assert await store.cancel_requested("resp_1")
     assert await store.delete("resp_1") is True
     assert await store.get("resp_1") is None and await store.events("resp_1", -1) == []
+    assert await store.event_count("resp_1") == 0
     assert not await store.cancel_requested("resp_1")
     assert await store.delete("resp_1") is False
     if expire is not None:

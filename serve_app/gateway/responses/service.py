@@ -208,7 +208,7 @@ class StoredResponses:
                                         "it without stream", param="stream")
         after = -1 if starting_after is None else starting_after
         if doc["response"].get("status") in TERMINAL:
-            count = len(await self.store.events(resp_id, -1))
+            count = await self.store.event_count(resp_id)
             if after >= count:
                 raise errors.InvalidRequest(
                     f"starting_after ({after}) is past the response's last event "
