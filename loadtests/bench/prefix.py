@@ -60,7 +60,7 @@ def two_models_edit(args: dict[str, Any]) -> None:
     on["engine"] = {**on.get("engine", {}), "enable_prefix_caching": True}
     on.pop("admission", None)
     off = json.loads(json.dumps(on))
-    off["id"], off["aliases"] = UNCACHED, []
+    off["id"], off["aliases"], off["adapters"] = UNCACHED, [], []  # names are unique
     off["engine"]["enable_prefix_caching"] = False
     off["env"] = {**off.get("env", {}), "VLLM_CPU_OMP_THREADS_BIND": "1"}
     args["models"] = [on, off]

@@ -25,14 +25,23 @@ from serve_app.config.engine import (
 from serve_app.config.gateway import GatewayConfig
 from serve_app.config.http import HttpConfig
 from serve_app.config.keys import Budget, KeyRecord, KeysConfig, KeysFile, expiry_time
-from serve_app.config.model import AdmissionConfig, FlowConfig, ModelConfig, RoutingConfig
+from serve_app.config.model import (
+    BUILTIN_ADAPTERS,
+    AdapterConfig,
+    AdmissionConfig,
+    FlowConfig,
+    ModelConfig,
+    RoutingConfig,
+)
 from serve_app.config.responses import ResponsesConfig
 from serve_app.config.state import StateConfig
 from serve_app.config.tiers import Limits, Objectives, TierConfig
 
 __all__ = [
     "APP_NAME",
+    "BUILTIN_ADAPTERS",
     "Accelerator",
+    "AdapterConfig",
     "AccountingConfig",
     "AdmissionConfig",
     "AppConfig",

@@ -42,6 +42,14 @@ class AppConfig(_Strict):
                         f"model name ({name!r}) of model {m.id!r} is already used by model {seen[name]!r}"
                     )
                 seen[name] = m.id
+        for m in self.models:
+            for a in m.adapters:
+                if a.name in seen:
+                    raise ValueError(
+                        f"adapter name ({a.name!r}) of model {m.id!r} is already used by model "
+                        f"{seen[a.name]!r}"
+                    )
+                seen[a.name] = m.id
         deployments: dict[str, str] = {}
         for m in self.models:
             other = deployments.setdefault(m.deployment_name, m.id)

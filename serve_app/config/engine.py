@@ -16,6 +16,9 @@ from pydantic import (
 
 from serve_app.config.base import _Strict
 
+# The adapter ranks vLLM accepts for max_lora_rank (vllm.config.lora.MaxLoRARanks).
+LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+
 
 class EngineArgs(_Strict):
     """The vLLM engine arguments we type and check. ``extra`` passes anything else through as-is."""
@@ -36,6 +39,19 @@ class EngineArgs(_Strict):
     quantization: str | None = None
     seed: int | None = 0
     trust_remote_code: bool = False
+    # vLLM's LoRA settings, under vLLM's names (None: vLLM's default). They size the engine's
+    # adapter slots; the adapters themselves are the model's ``adapters``.
+    enable_lora: bool = False
+    max_loras: PositiveInt | None = Field(
+        default=None, description="Adapters one engine batch may use at once (vLLM's default: 1)."
+    )
+    max_lora_rank: LoraRank | None = Field(
+        default=None, description="The largest adapter rank the engine accepts (vLLM's default: 16)."
+    )
+    max_cpu_loras: PositiveInt | None = Field(
+        default=None,
+        description="Adapters kept loaded in CPU memory (vLLM's default: max_loras); >= max_loras.",
+    )
     extra: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -44,6 +60,21 @@ class EngineArgs(_Strict):
         clash = sorted(typed & set(self.extra))
         if clash:
             raise ValueError(f"extra ({clash}) repeats typed engine fields; set them directly")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_settings(self) -> EngineArgs:
+        if not self.enable_lora:
+            given = [n for n in ("max_loras", "max_lora_rank", "max_cpu_loras")
+                     if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{given[0]} ({getattr(self, given[0])}) needs enable_lora true")
+            return self
+        loras = self.max_loras or 1
+        if self.max_cpu_loras is not None and self.max_cpu_loras < loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({loras})"
+            )
         return self
 
 

@@ -122,6 +122,47 @@ class RoutingConfig(_Strict):
     )
 
 
+# The adapters the project builds itself (serve_app/engine/tiny_lora.py), each with the builtin
+# model it is made for: "builtin:<name>" as an adapter's source.
+BUILTIN_ADAPTERS = {"tiny-chat-pirate": "builtin:tiny-chat"}
+BUILTIN_PREFIX = "builtin:"
+
+
+class AdapterConfig(_Strict):
+    """One LoRA adapter of a model (``models[].adapters[]``): served by the model's deployment as
+    a model of its own, under ``name`` (vLLM's ``lora_modules``)."""
+
+    name: str = Field(
+        pattern=_ID_RE,
+        description="The model name clients call it by; unique across models, aliases and routes.",
+    )
+    source: str = Field(
+        min_length=1,
+        description='"builtin:tiny-chat-pirate" (built on first use, no download) or a PEFT '
+        "adapter folder (adapter_config.json + adapter_model.safetensors) on the model's nodes.",
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _builtin_known(cls, v: str) -> str:
+        if v.startswith(BUILTIN_PREFIX) and v.removeprefix(BUILTIN_PREFIX) not in BUILTIN_ADAPTERS:
+            raise ValueError(
+                f"source ({v!r}) is not a builtin adapter; known: {sorted(BUILTIN_ADAPTERS)}"
+            )
+        return v
+
+    @property
+    def builtin(self) -> str | None:
+        """The builtin adapter's name, or None for a folder."""
+        return self.source.removeprefix(BUILTIN_PREFIX) if self.source.startswith(BUILTIN_PREFIX) else None
+
+    @property
+    def label(self) -> str:
+        """What the model card's ``root`` shows for the adapter's source: a builtin's source, else
+        the adapter's name (a folder's path is the server's business, never a client's)."""
+        return self.source if self.builtin is not None else self.name
+
+
 class ModelConfig(_Strict):
     """One served model: one Ray Serve deployment wrapping one vLLM engine per replica."""
 
@@ -133,6 +174,11 @@ class ModelConfig(_Strict):
     )
     task: Literal["generate", "embed"] = "generate"
     aliases: tuple[str, ...] = ()
+    adapters: tuple[AdapterConfig, ...] = Field(
+        default=(),
+        description="LoRA adapters served by this model's engines, each a model name of its own "
+        "(needs engine.enable_lora).",
+    )
     engine: EngineArgs = Field(default_factory=EngineArgs)
     frontend: dict[str, Any] = Field(
         default_factory=dict,
@@ -189,6 +235,35 @@ class ModelConfig(_Strict):
             raise ValueError(
                 "engine.distributed_executor_backend ('ray') is refused by vLLM on CPU; use 'mp'"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_fit(self) -> ModelConfig:
+        if not self.adapters:
+            if "lora_modules" in self.frontend:
+                raise ValueError("frontend.lora_modules: give the model's adapters instead")
+            return self
+        names = [a.name for a in self.adapters]
+        if self.task != "generate":
+            raise ValueError(f"adapters ({names}) need a generate model, not {self.task!r}")
+        if self.synthetic is not None or self.simulated is not None:
+            raise ValueError(f"adapters ({names}) need a vLLM engine, not a synthetic or simulated one")
+        if not self.engine.enable_lora:
+            raise ValueError(f"adapters ({names}) need engine.enable_lora true")
+        if "lora_modules" in self.frontend:
+            raise ValueError("frontend.lora_modules and adapters are exclusive; give adapters")
+        seen: set[str] = set()
+        for a in self.adapters:
+            if a.name in seen:
+                raise ValueError(f"adapter name ({a.name!r}) is given twice in model {self.id!r}")
+            seen.add(a.name)
+            if a.name in (self.id, *self.aliases):
+                raise ValueError(f"adapter name ({a.name!r}) is already a name of model {self.id!r}")
+            base = BUILTIN_ADAPTERS.get(a.builtin or "")
+            if base is not None and base != self.source:
+                raise ValueError(
+                    f"adapter source ({a.source!r}) is made for source {base!r}, not {self.source!r}"
+                )
         return self
 
     @model_validator(mode="after")

@@ -147,6 +147,7 @@ class RequestAdapter:
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg = cfg
+        self.adapter_names = frozenset(a.name for a in cfg.adapters)
 
     def overrides(self, ctx: RequestContext) -> Overrides:
         """The gateway's decisions, as vLLM request fields: the tier's priority (only under the
@@ -160,7 +161,10 @@ class RequestAdapter:
         The gateway's priority, request id and cache salt are applied after validation, to the
         fields the request type has (``Overrides.apply``), so a client cannot set its own."""
         body = dict(body)
-        body["model"] = self.cfg.id  # the gateway resolved aliases; vLLM knows only the id
+        # The gateway resolved aliases and routes; vLLM knows only the id and the adapters' names
+        # (an adapter's name makes vLLM's serving layer apply it: its LoRARequest).
+        if body.get("model") not in self.adapter_names:
+            body["model"] = self.cfg.id
         wants_usage = True
         if endpoint.stream_options:
             if body.get("stream") is True:

@@ -24,7 +24,7 @@ from serve_app.engine.backend import Backend
 from serve_app.engine.endpoint import ModelEndpoint
 from serve_app.engine.server import EngineServer
 from serve_app.engine.sim.server import SimServer
-from serve_app.engine.sources import resolve_source
+from serve_app.engine.sources import resolve_adapters, resolve_source
 from serve_app.engine.synthetic import SyntheticServer
 from serve_app.metrics import ModelRequestMetrics, ProcessMetrics
 from serve_app.protocol import ENDPOINTS, Head, RequestContext
@@ -67,7 +67,8 @@ class ModelService:
             server = SimServer(cfg)
         else:
             path = await asyncio.to_thread(resolve_source, cfg.source, cache_dir)
-            server = EngineServer(cfg, path, top_priority)
+            adapters = await asyncio.to_thread(resolve_adapters, cfg, cache_dir)
+            server = EngineServer(cfg, path, top_priority, adapters)
         try:
             await asyncio.wait_for(server.start(), cfg.startup_timeout_s)
         except BaseException as exc:

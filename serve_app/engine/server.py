@@ -45,9 +45,11 @@ logger = logging.getLogger(__name__)
 class EngineServer:
     """Owns one vLLM engine and the OpenAI serving objects built around it (a ``Backend``)."""
 
-    def __init__(self, cfg: ModelConfig, model_path: str, top_priority: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, model_path: str, top_priority: int = 0,
+                 adapter_paths: dict[str, str] | None = None) -> None:
         self.cfg = cfg
         self.model_path = model_path
+        self.adapter_paths = adapter_paths or {}  # LoRA adapters' names and resolved folders
         self.top_priority = top_priority  # the tier priority that may take reserved slots
         self.adapter = RequestAdapter(cfg)
         self.engine: Any = None
@@ -61,7 +63,8 @@ class EngineServer:
     async def start(self) -> None:
         t0 = time.monotonic()
         # Kept on self at once: a start-up that times out after this still shuts the engine down.
-        self.engine, vllm_config, args = startup.new_engine(self.cfg, self.model_path)
+        self.engine, vllm_config, args = startup.new_engine(
+            self.cfg, self.model_path, self.adapter_paths)
         client, self.gate = startup.client_chain(
             self.engine, self.cfg, vllm_config.scheduler_config.max_num_seqs, self.top_priority)
         self.state, tasks = await startup.serving_objects(self.engine, client, args)

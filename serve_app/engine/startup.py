@@ -16,9 +16,15 @@ from serve_app.engine.pacing import PacedEngineClient
 from serve_app.engine.slots import GatedEngineClient, SlotGate
 
 
-def new_engine(cfg: ModelConfig, model_path: str) -> tuple[Any, Any, argparse.Namespace]:
+def new_engine(
+    cfg: ModelConfig, model_path: str, adapter_paths: dict[str, str] | None = None,
+) -> tuple[Any, Any, argparse.Namespace]:
     """A started AsyncLLM for ``cfg``, its ``VllmConfig``, and the arguments vLLM's serving
-    objects are built from (as its API server's command line would give them)."""
+    objects are built from (as its API server's command line would give them).
+
+    ``adapter_paths`` (name: folder) become vLLM's ``lora_modules``: its serving layer loads them
+    at start-up and applies one to a request whose ``model`` names it, as ``vllm serve
+    --lora-modules`` does."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.cli_args import FrontendArgs
     from vllm.usage.usage_lib import UsageContext
@@ -36,7 +42,11 @@ def new_engine(cfg: ModelConfig, model_path: str) -> tuple[Any, Any, argparse.Na
         # vLLM's engine metrics through Ray's metrics agent (as ray_vllm_*), as Ray Serve LLM does.
         stat_loggers=[RayPrometheusStatLogger],
     )
-    frontend = FrontendArgs(**cfg.frontend)
+    from vllm.entrypoints.openai.models.protocol import LoRAModulePath
+
+    lora_modules = [LoRAModulePath(name=name, path=path, base_model_name=cfg.id)
+                    for name, path in (adapter_paths or {}).items()]
+    frontend = FrontendArgs(**cfg.frontend, lora_modules=lora_modules or None)
     return engine, vllm_config, argparse.Namespace(**(vars(frontend) | vars(engine_args)))
 
 

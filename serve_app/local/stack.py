@@ -27,7 +27,7 @@ from serve_app.config import APP_NAME, AppConfig
 from serve_app.local import front_door, prometheus, say
 from serve_app.local.demo_key import demo_key_in
 from serve_app.local.redis_server import LocalRedis, LocalStateError, start_local_redis
-from serve_app.local.tiny_model import ensure_tiny_model
+from serve_app.local.tiny_model import ensure_tiny_lora, ensure_tiny_model
 from serve_app.state.keys import KeysFileError
 
 LOGS = "/tmp/ray/session_latest/logs"
@@ -110,6 +110,8 @@ class LocalStack:
             self.secret = demo_key_in(self.cfg.gateway, secret_file)
         if any(m.source == "builtin:tiny-chat" for m in self.cfg.models):
             ensure_tiny_model(self.cfg.cache_dir)
+        for name in sorted({a.builtin for m in self.cfg.models for a in m.adapters if a.builtin}):
+            ensure_tiny_lora(name, self.cfg.cache_dir)
         self._start_ray()
 
     def _start_state_store(self) -> None:

@@ -1,5 +1,5 @@
-"""The tiny chat model in the model cache: ``serve-app build-tiny-model``, and ``serve-app run``
-before it deploys a config that names ``builtin:tiny-chat``."""
+"""The tiny chat model (and its builtin LoRA adapters) in the model cache: ``serve-app
+build-tiny-model``, and ``serve-app run`` before it deploys a config that names them."""
 
 from __future__ import annotations
 
@@ -21,3 +21,16 @@ def ensure_tiny_model(cache_dir: str, force: bool = False) -> None:
     t0 = time.monotonic()
     build_tiny_model(path, force=force)
     say(f"built in {time.monotonic() - t0:.1f} s")
+
+
+def ensure_tiny_lora(name: str, cache_dir: str) -> None:
+    """Build the builtin adapter ``name`` unless it is built already, saying what it does."""
+    from serve_app.engine.sources import builtin_adapter_path
+    from serve_app.engine.tiny_lora import build_tiny_lora, is_built
+
+    path = builtin_adapter_path(name, cache_dir)
+    if is_built(path):
+        say(f"tiny LoRA adapter {name} already built at {path}")
+        return
+    say(f"building the tiny LoRA adapter {name} at {path} (seeded weights) ...")
+    build_tiny_lora(path)

@@ -53,7 +53,8 @@ def session_overrides(redis_url: str) -> Any:
         # A second version of the chat model for the weighted split (A/B) and the fallback: a queue
         # of one, so a small burst overflows it onto tiny-chat.
         args["models"].append({
-            **{k: v for k, v in tiny.items() if k not in ("aliases", "admission", "frontend")},
+            **{k: v for k, v in tiny.items()
+               if k not in ("aliases", "adapters", "admission", "frontend")},
             "id": "tiny-chat-b",
             "fallback": "tiny-chat",
             "engine": {**tiny["engine"], "max_num_seqs": 2, "enable_prefix_caching": False},
