@@ -72,7 +72,7 @@ class Pipeline:
                 param="model",
             )
         model_id = route.pick()
-        fallback = self.router.fallback(model_id)
+        fallback = self.router.fallback(route, model_id)
         candidates = [model_id] if fallback is None else [model_id, fallback]
         admitted = await self.admission.enter(key, candidates, endpoint, body, size, clock, trace)
         if admitted.model_id != model_id:

@@ -39,7 +39,9 @@ class ModelCards:
             "object": "model",
             "created": self._created,
             "owned_by": "serve-app",
-            "root": route.model_id,
+            # As vLLM's cards: an adapter's parent is its base model and its root its source
+            # (a label, never a server path); an alias's root and parent are the model's id.
+            "root": route.adapter_root or route.model_id,
             "parent": None if route.name == route.model_id else route.model_id,
             "max_model_len": m.engine.max_model_len,
             "max_output_tokens": self._max_output(m, key) if generates else None,

@@ -1,4 +1,8 @@
-"""Resolve a request's ``model`` (id or alias) to a model deployment the key may use."""
+"""Resolve a request's ``model`` (id, alias, route or adapter) to a model deployment the key may use.
+
+An adapter's name resolves to its base model's deployment; the body keeps the adapter's name, so
+that vLLM's serving layer applies the adapter there. A key reaches an adapter only if its
+``models`` name the adapter (or ``*``): access to the base model is not access to a fine-tune."""
 
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ class Route:
     task: str
     # Weighted targets for a split route; empty for a plain model id or alias.
     split: tuple[tuple[str, int], ...] = ()
+    # For a LoRA adapter's name: its source's label (the model card's root); None otherwise.
+    adapter_root: str | None = None
     _rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
 
     def pick(self) -> str:
@@ -37,16 +43,24 @@ class Router:
         for m in cfg.models:
             for name in (m.id, *m.aliases):
                 self._routes[name] = Route(name=name, model_id=m.id, task=m.task)
+        for m in cfg.models:
+            for a in m.adapters:
+                self._routes[a.name] = Route(name=a.name, model_id=m.id, task=m.task,
+                                             adapter_root=a.label)
         for r in cfg.routes:
             split = tuple((t.model, t.weight) for t in r.split)
             self._routes[r.name] = Route(
                 name=r.name, model_id=split[0][0], task=tasks[split[0][0]], split=split
             )
 
-    def fallback(self, model_id: str) -> str | None:
-        return self._fallback.get(model_id)
+    def fallback(self, route: Route, model_id: str) -> str | None:
+        """The model that answers for ``model_id`` when it cannot; none for an adapter, which
+        only its own base model serves."""
+        return None if route.adapter_root is not None else self._fallback.get(model_id)
 
     def _visible(self, route: Route, key: KeyRecord) -> bool:
+        if route.adapter_root is not None:
+            return key.allows(route.name)
         return key.allows(route.name) or key.allows(route.model_id)
 
     def resolve(self, name: Any, key: KeyRecord) -> Route:
