@@ -1,0 +1,127 @@
+"""LoRA adapters as models (issue 41) on the real stack: configs/local.yaml's tiny-chat serves its
+builtin adapter tiny-chat-pirate through vLLM's LoRA support (the CPU punica wrapper).
+
+The openai SDK calls the adapter by name through the gateway; its greedy output differs from the
+base model's, and matches plain vLLM (``python -m vllm.entrypoints.openai.api_server`` with
+``--lora-modules``, the same engine arguments and the same adapter folder) token for token. The
+listing shows the adapter as vLLM does (parent the base model), without a server path, and a key
+whose models do not name the adapter gets the 404 of a model that does not exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import NotFoundError, OpenAI
+
+from loadtests.bench.procs import direct_server_flags, start_direct
+from loadtests.harness.stack import Stack, free_port, http_status, keys_create, read_config, stop
+from serve_app.engine.sources import builtin_adapter_path, builtin_path
+
+pytestmark = pytest.mark.integration
+
+BASE, ADAPTER = "tiny-chat", "tiny-chat-pirate"
+# A prompt no other test sends, so neither side reuses prefix-cached blocks from earlier requests.
+PROMPT = "Pirate test 41: tell me about the river city and the green tree, please"
+MAX_TOKENS = 16
+DIRECT_START_S = 300.0
+
+
+def _greedy(client: OpenAI, model: str) -> tuple[str, list[str], int]:
+    """The text, the tokens (from logprobs) and the completion token count of a greedy answer."""
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPT}], temperature=0,
+        max_tokens=MAX_TOKENS, logprobs=True, seed=0)
+    choice = r.choices[0]
+    assert r.model == model
+    tokens = [t.token for t in (choice.logprobs.content or [])] if choice.logprobs else []
+    assert r.usage is not None
+    return choice.message.content or "", tokens, r.usage.completion_tokens
+
+
+@contextlib.contextmanager
+def plain_vllm(stack: Stack, workdir: Path) -> Iterator[str]:
+    """vLLM's own OpenAI server on tiny-chat's folder with the adapter's folder as a LoRA module,
+    with the engine arguments the stack gives tiny-chat's engine; its base URL."""
+    cfg = read_config(stack.config)
+    tiny = cfg.model(BASE)
+    model_path = str(builtin_path(BASE, cfg.cache_dir))
+    adapter_path = str(builtin_adapter_path(ADAPTER, cfg.cache_dir))
+    assert Path(adapter_path, "adapter_config.json").is_file(), "the replica built the adapter"
+    frontend = {k: v for k, v in tiny.frontend.items() if k != "lora_modules"}
+    flags = direct_server_flags(tiny.engine_kwargs(model_path), frontend)
+    flags += ["--lora-modules", f"{ADAPTER}={adapter_path}"]
+    port = free_port("127.0.0.1")
+    proc = start_direct(flags, port, dict(tiny.env), workdir / "direct.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + DIRECT_START_S
+        while http_status(f"{url}/health", 5) != 200:
+            assert proc.alive(), f"plain vLLM exited:\n{proc.log_tail()}"
+            assert time.monotonic() < deadline, f"plain vLLM not ready:\n{proc.log_tail()}"
+            time.sleep(1)
+        yield url + "/v1"
+    finally:
+        stop(proc)
+
+
+def test_adapter_through_the_gateway_matches_plain_vllm_token_for_token(
+        stack: Stack, tmp_path: Path) -> None:
+    gateway = OpenAI(base_url=stack.base_url, api_key=stack.keys["all"], max_retries=0, timeout=120)
+    base = _greedy(gateway, BASE)
+    adapted = _greedy(gateway, ADAPTER)
+    assert adapted[2] > 0 and adapted[1], adapted
+    assert adapted[1] != base[1], "the adapter changes nothing: is it applied?"
+    # Streamed through the gateway too: the same tokens, under the adapter's name.
+    stream = gateway.chat.completions.create(
+        model=ADAPTER, messages=[{"role": "user", "content": PROMPT}], temperature=0,
+        max_tokens=MAX_TOKENS, seed=0, stream=True)
+    chunks = list(stream)
+    assert {c.model for c in chunks} == {ADAPTER}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == adapted[0]
+
+    time.sleep(2)  # the stack's engine busy-waits for about a second after its last request
+    with plain_vllm(stack, tmp_path) as url:
+        direct = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        listed = {m.id: m for m in direct.models.list().data}
+        assert getattr(listed[ADAPTER], "parent", None) == BASE
+        assert _greedy(direct, ADAPTER) == adapted
+        assert _greedy(direct, BASE) == base
+
+
+def test_models_lists_the_adapter_as_vllm_does_without_a_path(stack: Stack) -> None:
+    r = httpx.get(f"{stack.base_url}/models", timeout=30,
+                  headers={"Authorization": f"Bearer {stack.keys['all']}"})
+    assert r.status_code == 200
+    cards = {c["id"]: c for c in r.json()["data"]}
+    card = cards[ADAPTER]
+    assert (card["parent"], card["root"]) == (BASE, "builtin:tiny-chat-pirate")
+    assert card["root"] != card["parent"]
+    assert cards["tiny"]["root"] == cards["tiny"]["parent"] == BASE  # an alias looks different
+    assert "/" not in card["root"] and ".cache" not in r.text
+
+
+def test_a_key_without_the_adapter_gets_the_404_of_an_unknown_model(stack: Stack) -> None:
+    secret = keys_create(stack.keys_file, "lora-base-only", "standard", [BASE])
+    stack.wait_keys(accepted=[secret])
+    client = OpenAI(base_url=stack.base_url, api_key=secret, max_retries=0, timeout=120)
+    assert client.chat.completions.create(
+        model=BASE, messages=[{"role": "user", "content": "hi"}], max_tokens=2).choices
+    answers: dict[str, Any] = {}
+    for name in (ADAPTER, "tiny-chat-parrot"):
+        with pytest.raises(NotFoundError) as exc_info:
+            client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        body = exc_info.value.body
+        assert isinstance(body, dict)
+        answers[name] = {k: (v.replace(name, "<name>") if isinstance(v, str) else v)
+                         for k, v in body.items()}
+    assert answers[ADAPTER] == answers["tiny-chat-parrot"]
+    listed = [m.id for m in client.models.list().data]
+    assert ADAPTER not in listed and BASE in listed
