@@ -50,8 +50,9 @@ def check_config(files: list[str]) -> int:
 
 def engine_args(config: str, model_id: str) -> int:
     """Print what the app gives vLLM for one model, as JSON, so that a plain vLLM server (the
-    benchmark's baseline) can be started with the same settings."""
-    from serve_app.engine.sources import ModelSourceError, resolve_source
+    benchmark's baseline) can be started with the same settings; its adapters (name: folder)
+    are vLLM's ``--lora-modules name=folder``."""
+    from serve_app.engine.sources import ModelSourceError, resolve_adapters, resolve_source
 
     cfg = load_config(config)
     try:
@@ -63,6 +64,7 @@ def engine_args(config: str, model_id: str) -> int:
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON alone
             path = resolve_source(model.source, cfg.cache_dir)  # builds builtin:tiny-chat if missing
+            adapters = resolve_adapters(model, cfg.cache_dir)
     except ModelSourceError as exc:
         print(f"error: model {model.id!r}: {exc}", file=sys.stderr)
         return 2
@@ -71,5 +73,6 @@ def engine_args(config: str, model_id: str) -> int:
         "engine_kwargs": model.engine_kwargs(path),
         "frontend": dict(model.frontend),
         "env": dict(model.env),
+        "adapters": adapters,
     }, indent=2))
     return 0

@@ -162,6 +162,22 @@ def test_engine_args_prints_what_the_app_gives_vllm(tmp_path: Path,
     assert kw == json.loads(json.dumps(expected))
     assert out["frontend"] == {"enable_prompt_tokens_details": True}
     assert out["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert out["adapters"] == {}
+
+
+def test_engine_args_names_the_adapters_folders(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    weights, adapter = tmp_path / "weights", tmp_path / "adapter"
+    weights.mkdir()
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    config = _one_model_config(tmp_path, (
+        f"{{id: m, source: {weights}, engine: {{enable_lora: true}}, "
+        f"adapters: [{{name: m-lora, source: {adapter}}}]}}"))
+    assert main(["engine-args", "--config", str(config), "--model", "m"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["adapters"] == {"m-lora": str(adapter)}  # vLLM's --lora-modules m-lora=<folder>
+    assert out["engine_kwargs"]["enable_lora"] is True
 
 
 def test_engine_args_errors_are_messages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
