@@ -120,7 +120,7 @@ def test_embeddings_are_real(client: openai.OpenAI) -> None:
 def test_models_list_per_key(stack) -> None:
     every = openai.OpenAI(base_url=stack.base_url, api_key=stack.keys["all"])
     ids = {m.id for m in every.models.list()}
-    assert ids == {"tiny-chat", "tiny", "tiny-chat-b", "tiny-ab", "minilm-embed", "all-minilm-l6-v2"}
+    assert ids == {"tiny-chat", "tiny", "tiny-chat-b", "tiny-ab", "tiny-chat-pirate", "minilm-embed", "all-minilm-l6-v2"}
     narrow = openai.OpenAI(base_url=stack.base_url, api_key=stack.keys["embed-only"])
     assert {m.id for m in narrow.models.list()} == {"minilm-embed", "all-minilm-l6-v2"}
     assert narrow.models.retrieve("minilm-embed").id == "minilm-embed"
