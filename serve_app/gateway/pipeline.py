@@ -74,7 +74,8 @@ class Pipeline:
         model_id = route.pick()
         fallback = self.router.fallback(route, model_id)
         candidates = [model_id] if fallback is None else [model_id, fallback]
-        admitted = await self.admission.enter(key, candidates, endpoint, body, size, clock, trace)
+        admitted = await self.admission.enter(key, candidates, endpoint, body, size, clock, trace,
+                                              adapter=route.name if route.adapter_root else None)
         if admitted.model_id != model_id:
             logger.warning("model %s has no room; falling back to %s", model_id, admitted.model_id)
         ctx = RequestContext(

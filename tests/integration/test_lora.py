@@ -11,7 +11,9 @@ whose models do not name the adapter gets the 404 of a model that does not exist
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,16 @@ import pytest
 from openai import NotFoundError, OpenAI
 
 from loadtests.bench.procs import direct_server_flags, start_direct
-from loadtests.harness.stack import Stack, free_port, http_status, keys_create, read_config, stop
+from loadtests.harness.stack import (
+    CLI,
+    ROOT,
+    Stack,
+    free_port,
+    http_status,
+    keys_create,
+    read_config,
+    stop,
+)
 from serve_app.engine.sources import builtin_adapter_path, builtin_path
 
 pytestmark = pytest.mark.integration
@@ -125,3 +136,42 @@ def test_a_key_without_the_adapter_gets_the_404_of_an_unknown_model(stack: Stack
     assert answers[ADAPTER] == answers["tiny-chat-parrot"]
     listed = [m.id for m in client.models.list().data]
     assert ADAPTER not in listed and BASE in listed
+
+
+def _admin(stack: Stack) -> str:
+    """A new admin key (``serve-app keys create --role admin``), once every gateway replica
+    answers it on the admin API twice in a row per replica."""
+    done = subprocess.run([*CLI, "keys", "create", "--config", str(stack.config), "--id",
+                           f"lora-admin-{uuid.uuid4().hex[:6]}", "--role", "admin"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    secret = done.stdout.strip().splitlines()[-1]
+    streak, deadline = 0, time.monotonic() + 30
+    while streak < 2 * read_config(stack.config).gateway.num_replicas:
+        ok = http_status(f"{stack.root_url}/admin/v1/keys", 10, {"Authorization": f"Bearer {secret}"}) == 200
+        streak = streak + 1 if ok else 0
+        assert time.monotonic() < deadline, "the gateway did not pick up the admin key"
+        time.sleep(0.1)
+    return secret
+
+
+def test_an_adapters_usage_is_kept_apart_from_its_base_models(stack: Stack) -> None:
+    key_id = f"lora-usage-{uuid.uuid4().hex[:6]}"
+    secret = keys_create(stack.keys_file, key_id, "standard", [BASE, ADAPTER])
+    stack.wait_keys(accepted=[secret])
+    client = OpenAI(base_url=stack.base_url, api_key=secret, max_retries=0, timeout=120)
+    for model, n in ((ADAPTER, 2), (BASE, 1)):
+        for _ in range(n):
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=3, temperature=0)
+    admin = {"Authorization": f"Bearer {_admin(stack)}"}
+
+    def requests(model: str | None) -> int:
+        r = httpx.get(f"{stack.root_url}/admin/v1/usage", headers=admin, timeout=10,
+                      params={"key_id": key_id, **({"model": model} if model else {})})
+        assert r.status_code == 200, r.text
+        return int(r.json()["requests"])
+
+    deadline = time.monotonic() + 10  # the books are written just after each answer
+    while requests(None) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (requests(ADAPTER), requests(BASE), requests(None)) == (2, 1, 3)

@@ -87,9 +87,10 @@ class Env:
         self.admission = Admission(cfg, self.limits, usage=Usage(self.usage_store, None),
                                    budgets=Budgets(self.budget_store, {}, time.time))
 
-    async def enter(self) -> Pass:
+    async def enter(self, adapter: str | None = None) -> Pass:
         return await self.admission.enter(KEY, ["tiny"], CHAT, dict(BODY), 40,
-                                          StageClock(time.time()), TraceContext.from_headers({}))
+                                          StageClock(time.time()), TraceContext.from_headers({}),
+                                          adapter=adapter)
 
     def slots(self) -> float:
         """The key's concurrency slots taken now."""
@@ -138,6 +139,26 @@ def test_a_pass_holds_a_slot_and_a_reservation_until_it_exits_once() -> None:
         assert env.admission.inflight["tiny"] == 0 and env.slots() == 0
         assert await env.budget_used() == 7
         assert (await env.usage_store.get(KEY.id))["completion_tokens"] == 4
+
+    run(go)
+
+
+def test_an_adapters_usage_is_its_own_while_it_runs_on_its_base_model() -> None:
+    env = Env()
+
+    async def go() -> None:
+        entry = await env.enter(adapter="tiny-pirate")
+        assert entry.model_id == "tiny" and env.admission.inflight["tiny"] == 1
+        await entry.exit(Outcome(200, tokens_of(3, 4)))
+        plain = await env.enter()
+        await plain.exit(Outcome(200, tokens_of(5, 6)))
+        usage = await env.usage_store.get(KEY.id)
+        assert usage["m:tiny-pirate:completion_tokens"] == 4 and usage["m:tiny:completion_tokens"] == 6
+        names = [c.name for c in env.admission.budgets.counters(KEY)]  # type: ignore[union-attr]
+        await env.budget_store.add(names, 1000)  # a refusal is the adapter's too
+        with pytest.raises(errors.QuotaExceeded):
+            await env.enter(adapter="tiny-pirate")
+        assert (await env.usage_store.get(KEY.id)).get("rejected_budget") == 1
 
     run(go)
 

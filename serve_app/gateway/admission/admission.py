@@ -114,14 +114,16 @@ class Admission:
 
     async def enter(
         self, key: KeyRecord, model_ids: Sequence[str], endpoint: Endpoint, body: dict[str, Any],
-        body_bytes: int, clock: StageClock, trace: TraceContext,
+        body_bytes: int, clock: StageClock, trace: TraceContext, adapter: str | None = None,
     ) -> Pass:
         """Admit the request on the first of ``model_ids`` with room (the primary, then its
         fallback): limits, capacity, budgets, then the flow queue's wait. Marks the ``admission``
         and (with a flow queue) ``queue`` stages on ``clock``. Raises ``errors.Refused``
         (recorded as a rejection) or ``InvalidRequest`` (a reservation no limit could ever admit)
-        with nothing held; a cancellation meanwhile also leaves nothing held."""
+        with nothing held; a cancellation meanwhile also leaves nothing held. ``adapter``: the
+        LoRA adapter the request names, which its usage and metrics name instead of the model."""
         primary = model_ids[0]
+        named = adapter or primary
         usage = self.usage
         if usage is None:
             raise RuntimeError("Admission.enter needs the usage recorder (Admission(usage=...))")
@@ -130,7 +132,7 @@ class Admission:
             ticket = await self.admit(key, model_ids, body, body_bytes, endpoint=endpoint)
         except errors.Refused as exc:
             await self._with_limits(exc, key, endpoint)
-            await usage.rejected(key, primary, rejection_reason(exc))
+            await usage.rejected(key, named, rejection_reason(exc))
             raise
         hold: BudgetHold | None = None
         waiting = False  # in the flow queue's wait (a refusal there is a queue timeout)
@@ -150,14 +152,15 @@ class Admission:
             if isinstance(exc, errors.Refused):
                 await self._with_limits(exc, key, endpoint)
                 if waiting:
-                    await usage.rejected(key, ticket.model_id, "queue_timeout")
+                    await usage.rejected(key, adapter or ticket.model_id, "queue_timeout")
                 else:
-                    await usage.rejected(key, primary, rejection_reason(exc))
+                    await usage.rejected(key, named, rejection_reason(exc))
             raise
         if queued:
             clock.mark("queue")
         fallback = model_ids[1] if len(model_ids) > 1 else None
         entry = Pass(key, self.tier(key), ticket, self, usage, fallback, clock, trace)
+        entry.adapter = adapter
         if endpoint.operation:  # its trace's model-call span (accounting/genai.py)
             entry.call = GenAiCall(endpoint.operation, request_attributes(endpoint, body))
         entry.budget = hold

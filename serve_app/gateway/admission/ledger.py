@@ -78,6 +78,7 @@ class Pass:
         # Admission may already have placed the request on its fallback (the primary was full).
         self._fallback = fallback if fallback != ticket.model_id else None
         self._books: asyncio.Task[None] | None = None  # the one write of the books (``exit``)
+        self.adapter: str | None = None  # a LoRA adapter's name: its usage and metrics are its own
         self.budget: BudgetHold | None = None  # the budgets' reservation, settled with the ticket
         self.call: GenAiCall | None = None  # the model call's span attributes (a model endpoint)
 
@@ -89,6 +90,11 @@ class Pass:
     @property
     def model_id(self) -> str:
         return self.ticket.model_id
+
+    @property
+    def accounted(self) -> str:
+        """The model the books name: the adapter the request asked for, else the model that ran it."""
+        return self.adapter or self.ticket.model_id
 
     def fall_back(self) -> bool:
         """Move the request to its fallback model, once, if that model has room."""
@@ -119,11 +125,11 @@ class Pass:
             except Exception:  # a lost settlement leaves the reservation charged; never fail here
                 logger.warning("budget settlement failed", exc_info=True)
         if out.status == 503:
-            await self._usage.rejected(self.key, self.model_id, "backpressure")
+            await self._usage.rejected(self.key, self.accounted, "backpressure")
         else:
-            await self._usage.finished(self.key, self.tier, self.model_id, out.status, out.tokens,
+            await self._usage.finished(self.key, self.tier, self.accounted, out.status, out.tokens,
                                        out.ttft_s, out.duration_s)
-        call = (self.call.attributes(self.model_id, out.status, out.tokens, out.ttft_s)
+        call = (self.call.attributes(self.accounted, out.status, out.tokens, out.ttft_s)
                 if self.call is not None else None)
-        self._usage.stages_finished(self.clock, self.trace, tier=self.key.tier, model=self.model_id,
+        self._usage.stages_finished(self.clock, self.trace, tier=self.key.tier, model=self.accounted,
                                     call=call, call_name=self.call.span_name() if self.call else "")
