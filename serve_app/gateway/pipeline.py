@@ -27,7 +27,7 @@ from serve_app.gateway.accounting.usage import Usage
 from serve_app.gateway.admission.admission import Admission
 from serve_app.gateway.admission.ledger import NO_TOKENS, Outcome
 from serve_app.gateway.forward import Forwarder
-from serve_app.gateway.routing.affinity import affinity_key
+from serve_app.gateway.routing.affinity import adapter_affinity, affinity_key
 from serve_app.gateway.routing.router import Router
 from serve_app.protocol import Answer, Endpoint, RequestContext
 
@@ -64,7 +64,8 @@ class Pipeline:
         """``clock`` runs from the request's arrival at the front door (``timing``) and has its
         ``parse_auth`` stage marked; every later stage is marked on the way down and up.
         ``affinity``: the request's affinity key when its caller knows it (a stored response's
-        chain keeps its first turn's), else it is made from ``headers`` and ``body``."""
+        chain keeps its first turn's), else it is made from ``headers`` and ``body``; a LoRA
+        adapter's requests always take the adapter's key (``adapter_affinity``)."""
         route = self.router.resolve(body.get("model"), key)
         if route.task != endpoint.task:
             raise errors.InvalidRequest(
@@ -72,6 +73,8 @@ class Pipeline:
                 param="model",
             )
         model_id = route.pick()
+        if route.adapter_root is not None:
+            affinity = adapter_affinity(route.name)
         fallback = self.router.fallback(route, model_id)
         candidates = [model_id] if fallback is None else [model_id, fallback]
         admitted = await self.admission.enter(key, candidates, endpoint, body, size, clock, trace,

@@ -19,6 +19,7 @@ from serve_app.gateway.admission.ledger import Outcome, Pass
 from serve_app.gateway.forward import Forwarder
 from serve_app.gateway.http.answers import to_response
 from serve_app.gateway.pipeline import Pipeline
+from serve_app.gateway.routing import affinity
 from serve_app.gateway.routing.router import Router
 from serve_app.protocol import ENDPOINTS, head, split_complete, tokens_of, trailer
 from serve_app.state.limits import MemoryBackend
@@ -37,7 +38,9 @@ def _cfg() -> AppConfig:
         "tiers": {"standard": {"priority": 5, "key_limits": {"tpm": TPM, "max_concurrent": 4}}},
         "default_tier": "standard",
         "models": [
-            {"id": "tiny", "source": "builtin:tiny-chat", "fallback": "spare"},
+            {"id": "tiny", "source": "builtin:tiny-chat", "fallback": "spare",
+             "adapters": [{"name": "tiny-pirate", "source": "builtin:tiny-chat-pirate"}],
+             "engine": {"enable_lora": True}},
             {"id": "spare", "source": "builtin:tiny-chat"},
         ],
     })
@@ -56,9 +59,9 @@ class Env:
         self.pipeline = Pipeline(cfg, Router(cfg), self.admission,
                                  Forwarder(clients, cfg.gateway.http), usage)
 
-    async def request(self, body: dict[str, Any]) -> Any:
+    async def request(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
         return to_response(await self.pipeline.handle(KEY, CHAT, body, 40, StageClock(time.time()),
-                                                      TraceContext.from_headers({})))
+                                                      TraceContext.from_headers({}), headers))
 
     async def tpm_charged(self) -> int:
         """Tokens the key's TPM bucket holds charged now (GCRA: each token moves the bucket's
@@ -203,3 +206,27 @@ def test_a_second_exit_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
         return await env.totals()
 
     assert asyncio.run(scenario())["completion_tokens"] == 2
+
+
+def test_an_adapters_requests_share_its_affinity_key_and_its_books(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every session of an adapter is keyed by the adapter (its home replica holds it loaded), a
+    base model's sessions keep their own keys, and the adapter's usage is its own."""
+    def answer() -> FakeStream:
+        return FakeStream([head(200, b'{"ok": 1}', tokens=tokens_of(3, 2))])
+
+    env = Env(monkeypatch, {"tiny": answer, "spare": FakeStream([])})  # type: ignore[dict-item]
+    plain = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 2}
+
+    async def scenario() -> None:
+        for model in ("tiny-pirate", "tiny"):
+            for session in ("s1", "s2"):
+                await _serve(await env.request({**plain, "model": model}, {"session_id": session}))
+
+    asyncio.run(scenario())
+    calls = env.handles["tiny"].calls
+    keys = [c.ctx["affinity"] for c in calls]
+    assert [c.body["model"] for c in calls] == ["tiny-pirate"] * 2 + ["tiny"] * 2
+    assert keys[0] == keys[1] == affinity.adapter_affinity("tiny-pirate")
+    assert len({keys[1], keys[2], keys[3]}) == 3  # the base model's two sessions: two keys
+    totals = asyncio.run(env.totals())
+    assert totals["m:tiny-pirate:requests"] == 2 and totals["m:tiny:requests"] == 2

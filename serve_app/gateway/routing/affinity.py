@@ -10,6 +10,11 @@ plus the client's session when it names one, else a hash of the prompt's leading
 - otherwise the first ``PREFIX_CHARS`` characters of the system prompt and messages (the leading
   blocks of the prompt: requests that share them share cached blocks).
 
+A request for a LoRA adapter is keyed by the adapter alone (``adapter_affinity``): all of its
+requests, every session and tenant, share the adapter's home replica, so the adapter is loaded on
+one replica instead of on all of them, and each session's prefix stays cached there too. The load
+guard still spills a hot adapter to its next-ranked replica.
+
 The key is a digest, so no session id or prompt text crosses the handle or reaches a log line.
 ``serve_app.gateway.routing.placement`` reads it from ``RequestContext.affinity``.
 """
@@ -65,3 +70,8 @@ def affinity_key(tenant: str, endpoint: Endpoint, headers: Mapping[str, str],
     session = session_id(headers, body)
     what = session or "p:" + leading_text(body, endpoint)
     return hashlib.sha256(f"{tenant}\x1f{what}".encode()).hexdigest()[:32]
+
+
+def adapter_affinity(adapter: str) -> str:
+    """The affinity key of every request for the LoRA adapter ``adapter``."""
+    return hashlib.sha256(f"adapter\x1f{adapter}".encode()).hexdigest()[:32]
