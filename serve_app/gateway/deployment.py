@@ -110,6 +110,7 @@ class Gateway:
             budgets=self.budgets,
             responses=StoredResponses(state.responses, cfg.gateway.responses, state.keys.by_id),
             secrets=state.shared_secret,
+            replicas=self.replicas,
         )
         # OpenAI's Batch API: its routes' service, and this replica's runner, which feeds the
         # lines through this replica's own pipeline (serve_app/batch/runner.py).

@@ -97,7 +97,7 @@ def test_sign_in_create_list_and_revoke_a_key(browser: Any, tmp_path: Path) -> N
         assert "revoked" in row.text
         assert admin.call("GET", "/v1/models", secret).status_code == 401
 
-        for page in ("usage", "sla", "batches", "audit"):
+        for page in ("usage", "sla", "replicas", "batches", "audit"):
             link = {"audit": "Audit log", "sla": "SLA"}.get(page, page.capitalize())
             click_and_wait(browser, browser.find_element(By.LINK_TEXT, link))
             assert browser.current_url.endswith(f"/console/{page}")

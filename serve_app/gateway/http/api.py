@@ -38,6 +38,7 @@ from serve_app.state.responses import MemoryResponseStore
 
 if TYPE_CHECKING:
     from serve_app.batch.routes import BatchService
+    from serve_app.gateway.routing.replicas import LiveReplicas
 
 logger = logging.getLogger("ray.serve")
 
@@ -61,6 +62,8 @@ class GatewayDeps:
     responses: StoredResponses | None = None
     # A secret every replica shares, by name (``State.shared_secret``): the console's session key.
     secrets: Callable[[str], Awaitable[bytes | None]] | None = None
+    # Ray Serve's running replicas and their endpoints, as this replica reads them (the console).
+    replicas: LiveReplicas | None = None
 
 
 async def get_deps(request: Request) -> GatewayDeps:

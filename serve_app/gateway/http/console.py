@@ -1,4 +1,5 @@
-"""The operator's console at ``/console``: keys, usage, SLA, batches and the audit log as HTML.
+"""The operator's console at ``/console``: keys, usage, SLA, replicas, batches and the audit log
+as HTML.
 
 Sign-in posts an admin key, checked by the admin API's own code (``access.identify_secret``,
 ``admin.require_admin``: a client key is refused, every attempt audited), and sets a signed,
@@ -24,6 +25,7 @@ from serve_app import errors
 from serve_app.config import KeyRecord, format_validation_error
 from serve_app.gateway.http import console_pages as pages
 from serve_app.gateway.http.admin import NewKey, act_as, check_tier, require_admin, usage_report
+from serve_app.gateway.http.console_replicas import replica_rows
 from serve_app.gateway.http.console_session import (
     COOKIE,
     PATH,
@@ -219,6 +221,11 @@ def build_console_router() -> APIRouter:
     async def sla(ctx: Ctx = SignedIn) -> Response:
         rows, note = await sla_rows(ctx.d)
         return pages.respond(pages.sla(rows, note, ctx.csrf, ctx.key.id))
+
+    @router.get("/replicas")
+    async def replicas(ctx: Ctx = SignedIn) -> Response:
+        rows, note = await replica_rows(ctx.d, ctx.d.replicas)
+        return pages.respond(pages.replicas(rows, note, ctx.csrf, ctx.key.id))
 
     @router.get("/batches")
     async def batches(ctx: Ctx = SignedIn) -> Response:

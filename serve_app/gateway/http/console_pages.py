@@ -21,8 +21,8 @@ HEADERS = {  # no framing, no caching of pages that show secrets, nothing loaded
     "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
                                "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
 }
-NAV = (("keys", "Keys"), ("usage", "Usage"), ("sla", "SLA"), ("batches", "Batches"),
-       ("audit", "Audit log"))
+NAV = (("keys", "Keys"), ("usage", "Usage"), ("sla", "SLA"), ("replicas", "Replicas"),
+       ("batches", "Batches"), ("audit", "Audit log"))
 CSS = """
 body{font:15px/1.45 system-ui,sans-serif;margin:0;color:#1b1b1b;background:#fafafa}
 header{background:#1f3a5f;color:#fff;padding:.6rem 1.5rem;display:flex;gap:1.5rem;align-items:center}
@@ -187,6 +187,28 @@ def sla(rows: Sequence[Mapping[str, Any]], note: str | None, csrf: str, who: str
             "<p>Requests and misses: all-time totals of the keys of each tier, from the usage store "
             "(the same counts as <code>GET /v1/usage</code>).</p>")
     return page("SLA", body, active="sla", csrf=csrf, who=who)
+
+
+def replicas(rows: Sequence[Mapping[str, Any]], note: str | None, csrf: str, who: str) -> str:
+    """Each model's replicas: endpoint, engine load, KV cache, prefix-cache hit rate, adapters."""
+    cols = ("Model", "Replica", "Endpoint", "Running", "Waiting", "KV cache", "Prefix-cache hits (5 min)",
+            "Adapters running", "Adapters configured")
+    head = "".join(f'<th scope="col">{c}</th>' for c in cols)
+
+    def num(v: Any, fmt: str) -> str:
+        return "n/a" if v is None else _e(format(v, fmt))
+
+    body_rows = ""
+    for r in rows:
+        running = r.get("adapters")
+        body_rows += (f'<tr><th scope="row">{_e(r["model"])}</th>'
+                      f'<td>{_e(r["replica"] or "none running")}</td><td>{_e(r["endpoint"] or "")}</td>'
+                      f'<td>{num(r.get("running"), ".0f")}</td><td>{num(r.get("waiting"), ".0f")}</td>'
+                      f'<td>{num(r.get("kv_cache"), ".1%")}</td><td>{num(r.get("hit_rate"), ".1%")}</td>'
+                      f'<td>{"n/a" if running is None else _e(", ".join(running) or "none")}</td>'
+                      f'<td>{_e(", ".join(r["adapters_configured"]) or "none")}</td></tr>')
+    table = f"<table><thead><tr>{head}</tr></thead><tbody>{body_rows}</tbody></table>"
+    return page("Replicas", messages(notice=note) + table, active="replicas", csrf=csrf, who=who)
 
 
 def batches(docs: Sequence[Mapping[str, Any]], note: str | None, csrf: str, who: str) -> str:
