@@ -6,6 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from serve_app.config import AppConfig
+from serve_app.state.adapters import (
+    ADAPTERS_FILE,
+    AdapterDocs,
+    MemoryAdapterStore,
+    RedisAdapterStore,
+    SqliteAdapterStore,
+)
 from serve_app.state.audit import AUDIT_FILE, AuditFile
 from serve_app.state.batches import BatchDocs, FileBatchStore, RedisBatchStore
 from serve_app.state.budgets import BudgetBackend, MemoryBudgets, RedisBudgets, SqliteBudgets
@@ -41,6 +48,7 @@ class State:
     limits: LimitBackend
     batches: BatchDocs
     responses: ResponseDocs
+    adapters: AdapterDocs
     files: FileStore
     audit: AuditFile | None  # None without gateway.state.dir: audit events are only counted
     keys: KeyStore
@@ -60,8 +68,8 @@ def open_state(cfg: AppConfig) -> State:
     (``gateway.state.redis_url``), else SQLite in ``gateway.state.dir`` (one file, one connection,
     for both), else memory. Limits: by ``gateway.state.limits_store`` (``state/limits.py``).
     Batches: Redis, else JSON files under the files folder, where the files always are
-    (``files_root``). Stored responses: Redis, else ``responses.sqlite`` in the state folder, else
-    memory. The audit trail: ``<gateway.state.dir>/audit.log``. Keys: by
+    (``files_root``). Stored responses and run-time LoRA adapters: Redis, else ``responses.sqlite``
+    and ``adapters.sqlite`` in the state folder, else memory. The audit trail: ``<gateway.state.dir>/audit.log``. Keys: by
     ``gateway.keys.store``, not yet loaded (``await state.keys.refresh(force=True)``)."""
     gw = cfg.gateway
     connections = Connections.of(gw.state)
@@ -85,8 +93,16 @@ def open_state(cfg: AppConfig) -> State:
         responses = SqliteResponseStore(connections.sqlite(RESPONSES_FILE))
     else:
         responses = MemoryResponseStore()
+    adapters: AdapterDocs
+    if gw.state.redis_url:
+        adapters = RedisAdapterStore(connections.redis())
+    elif state_dir:
+        adapters = SqliteAdapterStore(connections.sqlite(ADAPTERS_FILE))
+    else:
+        adapters = MemoryAdapterStore()
     audit = AuditFile(state_dir / AUDIT_FILE, gw.accounting.audit_max_bytes) if state_dir else None
     return State(connections=connections, usage=usage, budgets=budgets,
                  limits=open_limits(gw, connections), batches=batches, responses=responses,
+                 adapters=adapters,
                  files=FileStore(root),
                  audit=audit, keys=open_key_store(gw.keys, connections))
