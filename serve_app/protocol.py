@@ -222,6 +222,9 @@ class RequestContext:
     # Tenant plus session (or leading prompt) digest: the gateway keeps it on one replica
     # (gateway/routing/affinity.py, gateway/routing/placement.py); "" lets load alone choose.
     affinity: str = ""
+    # A LoRA adapter added at run time: {"name", "source"}, so a replica that has not loaded it
+    # yet loads it first (engine/loras.py). None for every other request.
+    adapter: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -68,7 +68,7 @@ class ModelService:
         else:
             path = await asyncio.to_thread(resolve_source, cfg.source, cache_dir)
             adapters = await asyncio.to_thread(resolve_adapters, cfg, cache_dir)
-            server = EngineServer(cfg, path, top_priority, adapters)
+            server = EngineServer(cfg, path, top_priority, adapters, cache_dir)
         try:
             await asyncio.wait_for(server.start(), cfg.startup_timeout_s)
         except BaseException as exc:

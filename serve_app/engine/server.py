@@ -35,6 +35,7 @@ from serve_app.engine.adapter import (
 from serve_app.engine.backend import Answer, Diagnostics
 from serve_app.engine.checks import check_request
 from serve_app.engine.coalesce import Coalescer
+from serve_app.engine.loras import RuntimeLoras
 from serve_app.engine.slots import SlotGate
 from serve_app.engine.watchdog import EngineWatchdog
 from serve_app.protocol import Endpoint, RequestContext, split_complete
@@ -46,10 +47,12 @@ class EngineServer:
     """Owns one vLLM engine and the OpenAI serving objects built around it (a ``Backend``)."""
 
     def __init__(self, cfg: ModelConfig, model_path: str, top_priority: int = 0,
-                 adapter_paths: dict[str, str] | None = None) -> None:
+                 adapter_paths: dict[str, str] | None = None, cache_dir: str = "") -> None:
         self.cfg = cfg
         self.model_path = model_path
         self.adapter_paths = adapter_paths or {}  # LoRA adapters' names and resolved folders
+        self.cache_dir = cache_dir  # where builtin adapters added at run time are built
+        self.loras: RuntimeLoras | None = None  # adapters added at run time (engine.enable_lora)
         self.top_priority = top_priority  # the tier priority that may take reserved slots
         self.adapter = RequestAdapter(cfg)
         self.engine: Any = None
@@ -68,6 +71,9 @@ class EngineServer:
         client, self.gate = startup.client_chain(
             self.engine, self.cfg, vllm_config.scheduler_config.max_num_seqs, self.top_priority)
         self.state, tasks = await startup.serving_objects(self.engine, client, args)
+        if self.cfg.engine.enable_lora:
+            self.loras = RuntimeLoras(self.cfg, self.cache_dir, self.state.openai_serving_models,
+                                      self.engine)
         max_model_len = vllm_config.model_config.max_model_len
         startup.cache_vllm_envs()
         self.watchdog = EngineWatchdog(self.engine, self.cfg.id)
@@ -116,42 +122,65 @@ class EngineServer:
                 param="model",
             ), endpoint)
             return
-        scope = RequestScope.open()
+        adapter = ctx.adapter["name"] if ctx.adapter is not None else None
+        if ctx.adapter is not None:
+            refused = await self._load_adapter(ctx.adapter)
+            if refused is not None:
+                yield error_head(refused, endpoint)
+                return
+        if adapter is not None and self.loras is not None:
+            self.loras.in_use[adapter] += 1  # an adapter is replaced only once no request uses it
         try:
-            check_request(body)
-            request, wants_usage = self.adapter.prepare(endpoint, body)
-            overrides = self.adapter.overrides(ctx)
-            overrides.apply(request)
-            call = handler_for(serving, endpoint.handler, overrides)
-            # Run in the request's context (its meter set), as a task as wait_for would make anyway.
-            task = asyncio.create_task(call(request, raw_request=None), context=scope.context)
-            result = await asyncio.wait_for(task, ctx.remaining_s(600.0))
-        except ValidationError as exc:
-            yield error_head(validation_error(exc), endpoint)
-            return
-        except errors.ServeAppError as exc:  # check_request's refusals
-            yield error_head(exc, endpoint)
-            return
-        except TimeoutError:
-            yield error_head(errors.GatewayTimeout(f"the {endpoint.name} request timed out"),
-                             endpoint)
-            return
-        except Exception as exc:  # vLLM raises for bad input (too long, empty, ...)
-            yield error_head(self._map_exception(exc, endpoint.main_param), endpoint)
-            return
-
-        if isinstance(result, AsyncIterator):
-            coalescer = Coalescer(scope.meter, self._map_exception, wants_usage=wants_usage,
-                                  endpoint=endpoint, model=self.cfg.id)
+            scope = RequestScope.open()
             try:
-                async for item in coalescer.relay(result, scope.context):
-                    yield item
-            finally:  # however the stream ended, even cancelled by a client that went away
-                self.streamed_tokens += scope.meter.completion_tokens
-            return
-        answer = complete_head(result, endpoint)
-        for part in split_complete(answer["status"], answer["body"], answer["tokens"]):
-            yield part
+                check_request(body)
+                request, wants_usage = self.adapter.prepare(endpoint, body)
+                overrides = self.adapter.overrides(ctx)
+                overrides.apply(request)
+                call = handler_for(serving, endpoint.handler, overrides)
+                # Run in the request's context (its meter set), as a task as wait_for would make anyway.
+                task = asyncio.create_task(call(request, raw_request=None), context=scope.context)
+                result = await asyncio.wait_for(task, ctx.remaining_s(600.0))
+            except ValidationError as exc:
+                yield error_head(validation_error(exc), endpoint)
+                return
+            except errors.ServeAppError as exc:  # check_request's refusals
+                yield error_head(exc, endpoint)
+                return
+            except TimeoutError:
+                yield error_head(errors.GatewayTimeout(f"the {endpoint.name} request timed out"),
+                                 endpoint)
+                return
+            except Exception as exc:  # vLLM raises for bad input (too long, empty, ...)
+                yield error_head(self._map_exception(exc, endpoint.main_param), endpoint)
+                return
+
+            if isinstance(result, AsyncIterator):
+                coalescer = Coalescer(scope.meter, self._map_exception, wants_usage=wants_usage,
+                                      endpoint=endpoint, model=self.cfg.id)
+                try:
+                    async for item in coalescer.relay(result, scope.context):
+                        yield item
+                finally:  # however the stream ended, even cancelled by a client that went away
+                    self.streamed_tokens += scope.meter.completion_tokens
+                return
+            answer = complete_head(result, endpoint)
+            for part in split_complete(answer["status"], answer["body"], answer["tokens"]):
+                yield part
+        finally:
+            if adapter is not None and self.loras is not None:
+                self.loras.in_use[adapter] -= 1
+
+    async def _load_adapter(self, adapter: dict[str, str]) -> errors.ServeAppError | None:
+        """Load a run-time adapter unless loaded (``loras.RuntimeLoras``); the refusal, if any."""
+        if self.loras is None:
+            return errors.InvalidRequest(f"model {self.cfg.id!r} serves no LoRA adapters "
+                                         "(engine.enable_lora)", param="model")
+        try:
+            await self.loras.ensure(adapter["name"], adapter["source"])
+        except errors.ServeAppError as exc:
+            return exc
+        return None
 
     def _dead_error(self) -> errors.ServiceUnavailable:
         return errors.ServiceUnavailable(
