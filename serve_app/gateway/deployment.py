@@ -32,6 +32,7 @@ from serve_app.gateway.http.api import GatewayDeps, build_api
 from serve_app.gateway.outage import OutageGuard
 from serve_app.gateway.pipeline import Pipeline
 from serve_app.gateway.responses.service import StoredResponses
+from serve_app.gateway.routing.adapters import RuntimeAdapters
 from serve_app.gateway.routing.direct import DirectClient
 from serve_app.gateway.routing.placement import Picker
 from serve_app.gateway.routing.replicas import LiveReplicas, serve_status_fetch
@@ -74,7 +75,8 @@ class Gateway:
         # Every connection and store of this replica; the lifespan closes it once.
         self.state = state = open_state(cfg)
         self.budgets = Budgets(state.budgets, dict(cfg.gateway.accounting.tenant_budgets), time.time)
-        router = Router(cfg)
+        self.adapters = RuntimeAdapters(state.adapters)
+        router = Router(cfg, self.adapters)
         self.spans: StageSpans | None = None
         if cfg.gateway.accounting.otlp_endpoint:  # opentelemetry is imported only when it is configured
             from serve_app.gateway.accounting.otel import StageSpans as Spans
@@ -145,6 +147,7 @@ class Gateway:
         # The keys are loaded before the replica serves, then polled (lookups answer from memory).
         await self.deps.keys.refresh(force=True)
         keys_poll = asyncio.get_running_loop().create_task(keep_fresh(self.deps.keys))
+        adapters_poll = asyncio.get_running_loop().create_task(self.adapters.keep_fresh())
         self.watch.start()
         nice = asyncio.get_running_loop().create_task(self._keep_niceness())
         self.batch_runner.start()
@@ -153,6 +156,7 @@ class Gateway:
         finally:
             nice.cancel()
             keys_poll.cancel()
+            adapters_poll.cancel()
             await self.batch_runner.stop()
             if self.deps.responses is not None:
                 await self.deps.responses.close()  # background runs still going are failed, saying why

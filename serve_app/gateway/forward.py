@@ -63,6 +63,23 @@ class Forwarder:
     def model_unavailable(self, model_id: str, why: str) -> errors.ServiceUnavailable:
         return self.unavailable(f"model {model_id!r} is {why}; retry shortly")
 
+    async def probe(self, model_id: str, endpoint: Endpoint, body: dict[str, Any],
+                    ctx: RequestContext, timeout_s: float) -> tuple[int, bytes]:
+        """One call outside admission and the books (the admin API tries a new adapter on one
+        replica): its head's status and body; the rest of the answer is dropped. A 503 when no
+        replica answers within ``timeout_s``."""
+        client = self._clients.get(model_id)
+        if client is None:
+            raise self.model_unavailable(model_id, "not deployed")
+        call = client.call(endpoint.name, body, ctx.to_dict())
+        try:
+            first = await asyncio.wait_for(call.__anext__(), timeout_s)
+        except TimeoutError:
+            raise self.model_unavailable(model_id, f"not answering within {timeout_s:.0f} s") from None
+        finally:
+            call.cancel()
+        return int(first["status"]), bytes(first["body"])
+
     async def forward(
         self,
         admitted: Pass,

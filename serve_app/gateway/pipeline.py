@@ -91,6 +91,8 @@ class Pipeline:
             arrival=clock.arrival,
             traceparent=trace.traceparent(),
             affinity=affinity or affinity_key(key.owner, endpoint, headers or {}, body),
+            adapter=(None if route.runtime is None
+                     else {"name": route.runtime.name, "source": route.runtime.source}),
         )
         # x-request-id is set by Ray Serve's proxy (bounded by gateway/http/proxy_middleware.py).
         try:

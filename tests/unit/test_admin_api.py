@@ -21,17 +21,20 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
 
 
 class Admin:
-    def __init__(self, tmp_path: Path, gateway: dict[str, Any] | None = None, **keys: Any) -> None:
-        """``keys``: the ``gateway.keys`` section's fields; ``gateway``: other gateway sections."""
+    def __init__(self, tmp_path: Path, gateway: dict[str, Any] | None = None,
+                 models: list[dict[str, Any]] | None = None, **keys: Any) -> None:
+        """``keys``: the ``gateway.keys`` section's fields; ``gateway``: other gateway sections;
+        ``models``: the app's models (tiny-chat alone by default; answered by ``self.models``)."""
         self.state = tmp_path / "state"
         app_config = {
-            "models": [{"id": "tiny-chat", "source": "builtin:tiny-chat", "aliases": ["tiny"]}],
+            "models": models or [{"id": "tiny-chat", "source": "builtin:tiny-chat", "aliases": ["tiny"]}],
             "gateway": {"keys": {"file": str(tmp_path / "keys.yaml"), "store": "sqlite", **keys},
                         "state": {"dir": str(self.state)}, **(gateway or {})},
         }
         self.models = FakeModels()
         self.models.items = [head(200, b'{"object": "fake"}', tokens=tokens_of(10, 30))]
-        self.deps = _gateway_deps(app_config, {"tiny-chat": self.models.handle("tiny-chat")})
+        self.deps = _gateway_deps(app_config, {m["id"]: self.models.handle(m["id"])
+                                               for m in app_config["models"]})
         if self.deps.keys.read_only:
             self.deps.keys.read_only = False
             self.admin = run(KeyOps(self.deps.keys).create("root", role="admin")).secret

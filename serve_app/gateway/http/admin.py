@@ -1,4 +1,5 @@
-"""The admin API under ``/admin/v1``: keys (create, list, get, update, rotate, revoke) and usage.
+"""The admin API under ``/admin/v1``: keys (create, list, get, update, rotate, revoke), usage, and
+LoRA adapters added at run time (``admin_adapters``).
 
 Only keys with ``role: admin`` are accepted here (a client key gets 403, an unknown one 401), and
 an admin key is refused on the model routes (``api.authenticate``), so a leaked client key cannot
@@ -27,6 +28,7 @@ from serve_app import errors
 from serve_app.bodies import parse_body
 from serve_app.config import Budget, KeyRecord, Limits
 from serve_app.gateway.accounting.audit import Audit
+from serve_app.gateway.http.admin_adapters import NewAdapter, adapter_routes
 from serve_app.gateway.http.read import read_capped, require_json
 from serve_app.gateway.keys import access
 from serve_app.gateway.keys.ops import KeyOps, describe
@@ -239,11 +241,13 @@ def build_admin_router() -> APIRouter:
         for one ``model`` and/or one ``period`` when given."""
         return await usage_report(_deps(request), actor, key_id, tenant, model, period)
 
+    adapter_routes(router, admin_key, read_model)
+
     @router.get("/openapi.json", include_in_schema=False)
     async def schema(request: Request, actor: KeyRecord = Depends(admin_key)) -> dict[str, Any]:
         doc = get_openapi(title="serve-app admin API", version="1", routes=router.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        for model in (NewKey, KeyFields):  # the bodies read by ``read_model``
+        for model in (NewKey, KeyFields, NewAdapter):  # the bodies read by ``read_model``
             shape = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(shape.pop("$defs", {}))
             schemas[model.__name__] = shape

@@ -2,7 +2,9 @@
 
 An adapter's name resolves to its base model's deployment; the body keeps the adapter's name, so
 that vLLM's serving layer applies the adapter there. A key reaches an adapter only if its
-``models`` name the adapter (or ``*``): access to the base model is not access to a fine-tune."""
+``models`` name the adapter (or ``*``): access to the base model is not access to a fine-tune.
+Adapters added at run time (``routing.adapters``) resolve the same way, after every configured
+name; one private to a tenant is reached by that tenant's keys only."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 
 from serve_app.config import AppConfig, KeyRecord
 from serve_app.errors import InvalidRequest, ModelNotFound
+from serve_app.gateway.routing.adapters import RuntimeAdapter, RuntimeAdapters
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,8 @@ class Route:
     split: tuple[tuple[str, int], ...] = ()
     # For a LoRA adapter's name: its source's label (the model card's root); None otherwise.
     adapter_root: str | None = None
+    # For an adapter added at run time: its record (its source travels to the replica).
+    runtime: RuntimeAdapter | None = None
     _rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
 
     def pick(self) -> str:
@@ -36,9 +41,11 @@ class Route:
 class Router:
     """Maps every public model name to its model; answers 404 alike for unknown and forbidden."""
 
-    def __init__(self, cfg: AppConfig) -> None:
+    def __init__(self, cfg: AppConfig, runtime: RuntimeAdapters | None = None) -> None:
         self._routes: dict[str, Route] = {}
+        self.runtime = runtime
         tasks = {m.id: m.task for m in cfg.models}
+        self._tasks = tasks
         self._fallback = {m.id: m.fallback for m in cfg.models}
         for m in cfg.models:
             for name in (m.id, *m.aliases):
@@ -58,7 +65,21 @@ class Router:
         only its own base model serves."""
         return None if route.adapter_root is not None else self._fallback.get(model_id)
 
+    def taken(self, name: str) -> bool:
+        """Whether ``name`` is a configured model id, alias, route or adapter."""
+        return name in self._routes
+
+    def _runtime_route(self, name: str) -> Route | None:
+        a = self.runtime.get(name) if self.runtime is not None else None
+        if a is None or a.model not in self._tasks:  # its base model left the config
+            return None
+        return Route(name=a.name, model_id=a.model, task=self._tasks[a.model], adapter_root=a.label,
+                     runtime=a)
+
     def _visible(self, route: Route, key: KeyRecord) -> bool:
+        if route.runtime is not None and route.runtime.tenant is not None \
+                and key.tenant != route.runtime.tenant:
+            return False
         if route.adapter_root is not None:
             return key.allows(route.name)
         return key.allows(route.name) or key.allows(route.model_id)
@@ -68,7 +89,7 @@ class Router:
             raise InvalidRequest("you must provide a model parameter", param="model")
         if not isinstance(name, str) or not name:
             raise InvalidRequest("model must be a non-empty string", param="model")
-        route = self._routes.get(name)
+        route = self._routes.get(name) or self._runtime_route(name)
         if route is None or not self._visible(route, key):
             shown = name if len(name) <= 128 else name[:128] + "..."
             raise ModelNotFound(
@@ -78,4 +99,6 @@ class Router:
         return route
 
     def visible(self, key: KeyRecord) -> list[Route]:
-        return [r for r in self._routes.values() if self._visible(r, key)]
+        runtime = [r for a in (self.runtime.all() if self.runtime is not None else [])
+                   if a.name not in self._routes and (r := self._runtime_route(a.name)) is not None]
+        return [r for r in [*self._routes.values(), *runtime] if self._visible(r, key)]
