@@ -33,6 +33,8 @@ FLOW_BOUND = exported("flow_inflight_bound")
 ROUTING = exported("routing_decisions_total")
 AUDIT = exported("audit_events_total")
 MODEL_REQUESTS = exported("model_requests")
+ADAPTER_LOADS = exported("adapter_loads_total")
+ADAPTERS_LOADED = exported("adapters_loaded")
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,29 @@ def engine_board() -> Board:
                 Target(p95("ray_vllm_e2e_request_latency_seconds"), "{{model_name}}"),)),
         ]),
         ("Replica affinity (serve_app.gateway.routing.placement)", affinity_panels()),
+        ("LoRA adapters added at run time (serve_app.engine.loras)", adapter_panels()),
     ])
+
+
+def adapter_panels() -> list[Panel]:
+    """Run-time adapters as the model replicas load them: loads (and refusals, swaps) per second,
+    and how many each replica holds (zeros while none was ever added)."""
+    per_replica = f"max by (deployment, replica) ({MODEL_REQUESTS})"
+    return [
+        Panel("Adapter loads/s", "short", (
+            Target(_zero_if_none(f"sum by (deployment, result) (rate({ADAPTER_LOADS}[{RATE}]))",
+                                 f"sum by (deployment) ({MODEL_REQUESTS})"),
+                   "{{deployment}} {{result}}"),), stacked=True,
+              description="loaded: a replica loaded an adapter on its first request for it; "
+                          "refused: it could not; replaced: its source changed (the old one "
+                          "unloaded once idle). Loads per request show whether routing keeps each "
+                          "adapter on its home replica."),
+        Panel("Run-time adapters loaded per replica", "short", (
+            Target(_zero_if_none(f"max by (deployment, replica) ({ADAPTERS_LOADED})", per_replica),
+                   "{{deployment}} {{replica}}"),),
+              description="Adapters each replica has loaded; vLLM's own LRU over max_cpu_loras "
+                          "decides which weights stay in memory."),
+    ]
 
 
 def affinity_panels() -> list[Panel]:

@@ -83,6 +83,13 @@ METRICS: dict[str, dict[str, Any]] = {
                                         "key's home), new (first sighting of its key), spill "
                                         "(home over the load bound; the key re-homes), none "
                                         "(no key)."},
+    "adapter_loads_total": {"kind": "counter", "labels": ("deployment", "replica", "adapter", "result"),
+                            "help": "LoRA adapters added at run time, as a model replica loads them on "
+                                    "first use: result loaded, refused (cannot load) or replaced (its "
+                                    "source changed; the old one unloaded once idle)."},
+    "adapters_loaded": {"kind": "gauge", "labels": ("deployment", "replica"),
+                        "help": "Run-time LoRA adapters a model replica has loaded now (vLLM's own LRU "
+                                "over max_cpu_loras decides which weights stay in memory)."},
     "model_requests": {"kind": "gauge", "labels": ("deployment", "replica", "state"),
                        "help": "Requests a model replica has taken from gateways (its own endpoint, "
                                "serve_app.engine.endpoint): state=running (within "
@@ -120,6 +127,7 @@ ENGINE_METRICS: dict[str, str] = {
     "ray_vllm_prefix_cache_queries_total": "counter",
     "ray_vllm_prefix_cache_hits_total": "counter",
     "ray_vllm_num_preemptions_total": "counter",
+    "ray_vllm_lora_requests_info": "gauge",
     "ray_vllm_prompt_tokens_total": "counter",
     "ray_vllm_generation_tokens_total": "counter",
     "ray_vllm_time_to_first_token_seconds": "histogram",
@@ -383,6 +391,25 @@ class ModelRequestMetrics:
     def seen(self, *, running: int, waiting: int) -> None:
         self.requests.set(running, tags={**self.tags, "state": "running"})
         self.requests.set(waiting, tags={**self.tags, "state": "waiting"})
+
+
+@dataclass
+class AdapterMetrics:
+    """A model replica's run-time LoRA adapters (``serve_app.engine.loras`` feeds it)."""
+
+    loads: Counter
+    loaded: Gauge
+    tags: dict[str, str]
+
+    @classmethod
+    def for_this_replica(cls) -> AdapterMetrics:
+        process = ProcessMetrics.for_this_replica("model").tags
+        return cls(_made("adapter_loads_total"), _made("adapters_loaded"),
+                   {"deployment": process["deployment"], "replica": process["replica"]})
+
+    def load(self, *, adapter: str, result: str, loaded: int) -> None:
+        self.loads.inc(1, tags={**self.tags, "adapter": adapter, "result": result})
+        self.loaded.set(loaded, tags=self.tags)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import Any
 from serve_app import errors
 from serve_app.config import BUILTIN_ADAPTERS, AdapterConfig, ModelConfig
 from serve_app.engine.sources import ModelSourceError, resolve_adapter
+from serve_app.metrics import AdapterMetrics
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 30.0  # the longest a changed adapter waits for its requests before it is replaced
@@ -34,8 +35,10 @@ class RuntimeLoras:
     """``models``: vLLM's ``OpenAIServingModels`` (its ``load_lora_adapter`` and
     ``unload_lora_adapter``); ``engine``: the AsyncLLM, whose ``remove_lora`` frees the weights."""
 
-    def __init__(self, cfg: ModelConfig, cache_dir: str, models: Any, engine: Any) -> None:
+    def __init__(self, cfg: ModelConfig, cache_dir: str, models: Any, engine: Any,
+                 metrics: AdapterMetrics | None = None) -> None:
         self.cfg = cfg
+        self.metrics = metrics
         self.cache_dir = cache_dir
         self.models = models
         self.engine = engine
@@ -72,20 +75,28 @@ class RuntimeLoras:
                 path = await asyncio.to_thread(resolve_adapter, adapter, self.cache_dir,
                                                self.cfg.engine.max_lora_rank)
             except ModelSourceError as exc:
+                self._count(name, "refused")
                 raise errors.InvalidRequest(str(exc), param="source") from None
             if name in self.loaded:
                 await self._unload_when_idle(name)
+                self._count(name, "replaced")
             from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
             result = await self.models.load_lora_adapter(
                 LoadLoRAAdapterRequest(lora_name=name, lora_path=path), base_model_name=self.cfg.id)
             if not isinstance(result, str):  # vLLM's ErrorResponse
+                self._count(name, "refused")
                 err = result.error
                 status = int(err.code) if 400 <= int(err.code) < 500 else 400
                 raise errors.for_status(status)(f"adapter {name!r} could not be loaded: {err.message}",
                                                 param="source")
             self.loaded[name] = source
+            self._count(name, "loaded")
             logger.info("loaded run-time adapter %s for %s", name, self.cfg.id)
+
+    def _count(self, name: str, result: str) -> None:
+        if self.metrics is not None:
+            self.metrics.load(adapter=name, result=result, loaded=len(self.loaded))
 
     async def _unload_when_idle(self, name: str) -> None:
         """Unload ``name`` once no request uses it (at most ``IDLE_WAIT_S``), and free its weights."""

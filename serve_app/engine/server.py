@@ -72,8 +72,10 @@ class EngineServer:
             self.engine, self.cfg, vllm_config.scheduler_config.max_num_seqs, self.top_priority)
         self.state, tasks = await startup.serving_objects(self.engine, client, args)
         if self.cfg.engine.enable_lora:
+            from serve_app.metrics import AdapterMetrics
+
             self.loras = RuntimeLoras(self.cfg, self.cache_dir, self.state.openai_serving_models,
-                                      self.engine)
+                                      self.engine, AdapterMetrics.for_this_replica())
         max_model_len = vllm_config.model_config.max_model_len
         startup.cache_vllm_envs()
         self.watchdog = EngineWatchdog(self.engine, self.cfg.id)

@@ -247,11 +247,22 @@ def _peft(path: Path, rank: int) -> str:
     return str(path)
 
 
+class Counted:
+    """AdapterMetrics as the loader feeds it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, int]] = []
+
+    def load(self, *, adapter: str, result: str, loaded: int) -> None:
+        self.seen.append((adapter, result, loaded))
+
+
 def _loras(tmp_path: Path, refuse: str | None = None) -> tuple[RuntimeLoras, FakeServingModels]:
     cfg = ModelConfig.model_validate({**TINY, "adapters": [{"name": "tiny-chat-pirate",
                                                             "source": "builtin:tiny-chat-pirate"}]})
     models = FakeServingModels(refuse)
-    return RuntimeLoras(cfg, str(tmp_path / "cache"), models, FakeEngine(models)), models
+    loras = RuntimeLoras(cfg, str(tmp_path / "cache"), models, FakeEngine(models), Counted())  # type: ignore[arg-type]
+    return loras, models
 
 
 def test_the_loader_loads_once_per_source_and_swaps_only_once_idle(tmp_path: Path) -> None:
@@ -269,6 +280,8 @@ def test_the_loader_loads_once_per_source_and_swaps_only_once_idle(tmp_path: Pat
         await swap
         assert models.log == [("load", first), ("unload", "mine"), ("remove", "1"), ("load", second)]
         assert loras.loaded == {"mine": second}
+        assert loras.metrics.seen == [("mine", "loaded", 1), ("mine", "replaced", 0),  # type: ignore[union-attr]
+                                      ("mine", "loaded", 1)]
 
     asyncio.run(go())
 
@@ -286,6 +299,7 @@ def test_the_loader_refuses_what_cannot_load_and_loads_nothing(tmp_path: Path, s
     with pytest.raises(errors.InvalidRequest, match=message.replace("(", r"\(").replace(")", r"\)")):
         asyncio.run(loras.ensure("mine", source))
     assert models.log == [] and loras.loaded == {}
+    assert loras.metrics.seen == ([] if "builtin" in source else [("mine", "refused", 0)])  # type: ignore[union-attr]
 
 
 def test_the_loader_refuses_a_configured_name_and_passes_on_vllms_refusal(tmp_path: Path) -> None:
