@@ -1,5 +1,6 @@
 """The console's replicas page data: each model's running replicas as this gateway sees them
-(``LiveReplicas``: Ray Serve's RUNNING replicas and their endpoints), its configured adapters,
+(``LiveReplicas``: Ray Serve's RUNNING replicas and their endpoints), its adapters (configured
+and added at run time),
 and, when Prometheus is known (``gateway.console.prometheus_url``), each replica's engine figures
 from the engine's own ``ray_vllm_*`` series: requests running and waiting, KV cache use, the
 prefix cache's hit rate over the last 5 minutes and the LoRA adapters it runs now. These are the
@@ -74,11 +75,12 @@ async def replica_rows(d: Any, replicas: Any) -> tuple[list[Row], str]:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             logger.warning("console: Prometheus not read: %s", exc.__class__.__name__)
             note = "Prometheus did not answer; the engine figures are unknown for now."
+    runtime = d.router.runtime.all() if getattr(d.router, "runtime", None) is not None else []
     rows: list[Row] = []
     for m in d.cfg.models:
         endpoints: Mapping[str, tuple[str, int]] = replicas.endpoints(m.id) if replicas else {}
         ids = sorted(set(endpoints) | {r for (model, r) in figures if model == m.id})
-        configured = [a.name for a in m.adapters]
+        configured = [a.name for a in m.adapters] + [a.name for a in runtime if a.model == m.id]
         if not ids:
             rows.append({"model": m.id, "replica": None, "endpoint": None, "adapters_configured": configured})
         for rid in ids:
