@@ -75,7 +75,7 @@ async def replica_rows(d: Any, replicas: Any) -> tuple[list[Row], str]:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             logger.warning("console: Prometheus not read: %s", exc.__class__.__name__)
             note = "Prometheus did not answer; the engine figures are unknown for now."
-    runtime = d.router.runtime.all() if getattr(d.router, "runtime", None) is not None else []
+    runtime = d.router.runtime.all() if d.router.runtime is not None else []
     rows: list[Row] = []
     for m in d.cfg.models:
         endpoints: Mapping[str, tuple[str, int]] = replicas.endpoints(m.id) if replicas else {}
