@@ -223,7 +223,8 @@ class RequestContext:
     # (gateway/routing/affinity.py, gateway/routing/placement.py); "" lets load alone choose.
     affinity: str = ""
     # A LoRA adapter added at run time: {"name", "source"}, so a replica that has not loaded it
-    # yet loads it first (engine/loras.py). None for every other request.
+    # yet loads it first (engine/loras.py); "check" on the admin API's try, which alone is told
+    # why a load failed. None for every other request.
     adapter: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:

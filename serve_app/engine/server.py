@@ -174,14 +174,21 @@ class EngineServer:
                 self.loras.in_use[adapter] -= 1
 
     async def _load_adapter(self, adapter: dict[str, str]) -> errors.ServeAppError | None:
-        """Load a run-time adapter unless loaded (``loras.RuntimeLoras``); the refusal, if any."""
+        """Load a run-time adapter unless loaded (``loras.RuntimeLoras``); the refusal, if any.
+        The admin API's check (``adapter["check"]``) gets the reason; a client gets a 503 that
+        names no folder (the reason goes to this replica's log)."""
         if self.loras is None:
             return errors.InvalidRequest(f"model {self.cfg.id!r} serves no LoRA adapters "
                                          "(engine.enable_lora)", param="model")
         try:
             await self.loras.ensure(adapter["name"], adapter["source"])
         except errors.ServeAppError as exc:
-            return exc
+            if adapter.get("check"):
+                return exc
+            logger.warning("run-time adapter %s not loaded: %s", adapter["name"], exc)
+            return errors.ServiceUnavailable(
+                f"adapter {adapter['name']!r} could not be loaded on this replica; retry shortly, "
+                "or ask the operator (the replica's log says why)", retry_after_s=self.retry_after_s)
         return None
 
     def _dead_error(self) -> errors.ServiceUnavailable:

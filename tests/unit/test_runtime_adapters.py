@@ -116,7 +116,7 @@ def test_an_added_adapter_is_tried_on_a_replica_then_served_with_its_source(gw: 
     probe = gw.models.calls[-1]  # one token from one replica, with the adapter's source
     assert (probe.model_id, probe.endpoint, probe.body["model"], probe.body["max_tokens"]) == \
         ("tiny-chat", "completions", "pirate-2", 1)
-    assert probe.ctx["adapter"] == {"name": "pirate-2", "source": "builtin:tiny-chat-pirate"}
+    assert probe.ctx["adapter"] == {"name": "pirate-2", "source": "builtin:tiny-chat-pirate", "check": "1"}
 
     key = _key(gw, "app", ["*"])
     assert _chat(gw, key, "pirate-2").status_code == 200
@@ -310,3 +310,15 @@ def test_the_loader_refuses_a_configured_name_and_passes_on_vllms_refusal(tmp_pa
     with pytest.raises(errors.InvalidRequest, match="could not be loaded: bad weights"):
         asyncio.run(loras.ensure("mine", _peft(tmp_path / "b", 8)))
     assert loras.loaded == {}
+
+
+def test_a_client_is_never_told_a_folder_only_the_admin_check_is(tmp_path: Path) -> None:
+    from serve_app.engine.server import EngineServer
+
+    server = EngineServer(ModelConfig.model_validate(TINY), "/dummy/path")
+    server.loras, _ = _loras(tmp_path)
+    secret_path = str(tmp_path / "private" / "folder")
+    told = asyncio.run(server._load_adapter({"name": "mine", "source": secret_path, "check": "1"}))
+    assert isinstance(told, errors.InvalidRequest) and secret_path in str(told)
+    client = asyncio.run(server._load_adapter({"name": "mine", "source": secret_path}))
+    assert isinstance(client, errors.ServiceUnavailable) and "private" not in str(client)

@@ -67,7 +67,7 @@ async def _try_on_a_replica(d: Any, adapter: RuntimeAdapter, actor: KeyRecord) -
     """One replica of the base model loads the adapter and makes one token with it."""
     ctx = RequestContext(request_id="adapter-check-" + uuid.uuid4().hex, key_id=actor.id,
                          tier=d.cfg.default_tier, deadline=time.time() + PROBE_TIMEOUT_S,
-                         adapter={"name": adapter.name, "source": adapter.source})
+                         adapter={"name": adapter.name, "source": adapter.source, "check": "1"})
     body = {"model": adapter.name, "prompt": "ok", "max_tokens": 1, "temperature": 0}
     status, raw = await d.pipeline.forwarder.probe(adapter.model, ENDPOINTS["completions"], body, ctx,
                                                    PROBE_TIMEOUT_S)
