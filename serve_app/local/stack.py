@@ -27,7 +27,7 @@ from serve_app.config import APP_NAME, AppConfig
 from serve_app.local import front_door, prometheus, say
 from serve_app.local.demo_key import demo_key_in
 from serve_app.local.redis_server import LocalRedis, LocalStateError, start_local_redis
-from serve_app.local.tiny_model import ensure_tiny_lora, ensure_tiny_model
+from serve_app.local.tiny_model import ensure_tiny_lora, start_tiny_model_build
 from serve_app.state.keys import KeysFileError
 
 LOGS = "/tmp/ray/session_latest/logs"
@@ -77,6 +77,13 @@ class LocalStack:
         self.redis: LocalRedis | None = None
         self.run_dir: Path | None = None
         self.prometheus: prometheus.Prometheus | None = None
+        self.t0 = self.t_stage = time.monotonic()
+
+    def stage_done(self, what: str) -> None:
+        """Say that a stage of ``run`` ended, with its own time and the time since the start."""
+        now = time.monotonic()
+        say(f"{what}: {now - self.t_stage:.1f} s (total {now - self.t0:.1f} s)")
+        self.t_stage = now
 
     @classmethod
     def from_config(cls, cfg: AppConfig, http_options: Mapping[str, Any] | None, *,
@@ -96,8 +103,10 @@ class LocalStack:
 
     # ---- the parts ------------------------------------------------------------------------------
     def start(self) -> None:
-        """The demo key, the state store, the tiny model, the front door, then Ray. A keys file
-        that cannot be read raises KeysFileError before anything starts."""
+        """The demo key, the state store, the front door, then Ray, with the tiny model built
+        beside Ray's start-up (in a process of its own) when it is not in the cache yet. A keys
+        file that cannot be read raises KeysFileError before anything starts."""
+        self.t0 = self.t_stage = time.monotonic()
         secret_file = self.keys_file.parent / "demo-key.secret"
         if self.cfg.gateway.keys.store == "file":
             # The launcher's own file: its demo key is written even where the admin API may not.
@@ -108,11 +117,19 @@ class LocalStack:
         self._start_state_store()
         if self.cfg.gateway.keys.store != "file":  # in the store the state dir holds
             self.secret = demo_key_in(self.cfg.gateway, secret_file)
+        self.stage_done("demo key and state store")
+        build = None
         if any(m.source == "builtin:tiny-chat" for m in self.cfg.models):
-            ensure_tiny_model(self.cfg.cache_dir)
+            build = start_tiny_model_build(self.cfg.cache_dir)
+        self._start_ray()
+        # Builtin adapters (seeded weights, a second or two) while the model's build may still run.
         for name in sorted({a.builtin for m in self.cfg.models for a in m.adapters if a.builtin}):
             ensure_tiny_lora(name, self.cfg.cache_dir)
-        self._start_ray()
+        if build is not None:
+            # Its lines went to this terminal as it went; the model replica needs the model.
+            if build.wait() != 0:
+                raise DeployFailed("the tiny chat model was not built (its error is above)")
+            self.stage_done("tiny chat model ready")
 
     def _start_state_store(self) -> None:
         """Usage totals (and, with several gateway replicas, limit counters:
@@ -174,6 +191,7 @@ class LocalStack:
             configure_logging=True,
             logging_level=logging.WARNING,
         )
+        self.stage_done("Ray started")
 
     def deploy(self) -> None:
         """Ray Serve on ``host:port``, and the app under APP_NAME (without waiting for it)."""
@@ -182,12 +200,14 @@ class LocalStack:
         from serve_app.app import build_app
 
         serve.start(http_options={"host": self.host, "port": self.port}, proxy_location="HeadOnly")
+        self.stage_done("Ray Serve started")
         say(f"deploying {', '.join(m.id for m in self.cfg.models)} "
-            "(engines take about a minute on CPU) ...")
+            "(engines take about half a minute on CPU) ...")
         serve._run(build_app(self.cfg), _blocking=False, name=APP_NAME, route_prefix="/")
+        self.stage_done("app submitted")
 
     def wait_ready(self, timeout_s: float, stopping: threading.Event) -> bool:
-        """Follow Ray Serve's status every 2 s, saying each change: True once the app runs, False
+        """Follow Ray Serve's status every 0.5 s, saying each change: True once the app runs, False
         if ``stopping`` is set first; DeployFailed (after saying why) if it failed or timed out."""
         from ray import serve
 
@@ -197,10 +217,11 @@ class LocalStack:
             status = serve.status()
             state, detail = app_status(status)
             if detail != last:
-                say(f"{time.monotonic() - t0:5.0f} s  {state}: {detail}")
+                say(f"{time.monotonic() - t0:5.1f} s  {state}: {detail}")
                 last = detail
             if state == "RUNNING":
-                say(f"ready in {time.monotonic() - t0:.0f} s. Paste these into a shell:")
+                self.stage_done("replicas ready")
+                say(f"ready {time.monotonic() - self.t0:.0f} s after the start. Paste these into a shell:")
                 return True
             if state in ("DEPLOY_FAILED", "UNHEALTHY"):
                 app = status.applications[APP_NAME]
@@ -212,7 +233,7 @@ class LocalStack:
             if time.monotonic() - t0 > timeout_s:
                 say(f"not ready after {timeout_s} s; logs are in {LOGS}")
                 raise DeployFailed("timeout")
-            stopping.wait(2.0)
+            stopping.wait(0.5)
         return False
 
     def announce(self, ready_file: str | None = None, with_prometheus: bool = False) -> None:
@@ -270,6 +291,9 @@ class LocalStack:
         except KeysFileError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        except DeployFailed:
+            self.stop()
+            return 1
         stopping = stop_on_signals()
         try:
             self.deploy()

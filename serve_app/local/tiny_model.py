@@ -3,6 +3,8 @@ build-tiny-model``, and ``serve-app run`` before it deploys a config that names 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 from serve_app.local import say
@@ -34,3 +36,18 @@ def ensure_tiny_lora(name: str, cache_dir: str) -> None:
         return
     say(f"building the tiny LoRA adapter {name} at {path} (seeded weights) ...")
     build_tiny_lora(path)
+
+
+def start_tiny_model_build(cache_dir: str) -> subprocess.Popen[bytes] | None:
+    """``serve-app build-tiny-model`` in a process of its own, so that the build (about 7 s, most
+    of it importing torch and transformers) runs beside Ray's start-up; None when it is built
+    already (said here). Its lines go to this terminal."""
+    from serve_app.engine.sources import builtin_path
+    from serve_app.engine.tiny_model import is_built
+
+    path = builtin_path("tiny-chat", cache_dir)
+    if is_built(path):
+        say(f"tiny chat model already built at {path}")
+        return None
+    return subprocess.Popen([sys.executable, "-m", "serve_app.cli", "build-tiny-model",
+                             "--cache-dir", cache_dir])

@@ -230,3 +230,29 @@ def test_app_status_names_each_deployment() -> None:
         "model-b": SimpleNamespace(status=word("UPDATING")),
         "gateway": SimpleNamespace(status=word("HEALTHY"))})
     assert app_status(status(app)) == ("DEPLOYING", "gateway=HEALTHY model-b=UPDATING")
+
+
+def test_the_tiny_model_builds_in_its_own_process_unless_it_is_built(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import serve_app.engine.tiny_model as tiny
+    import serve_app.local.tiny_model as local_tiny
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(local_tiny.subprocess, "Popen", lambda argv: started.append(argv) or "proc")
+    monkeypatch.setattr(tiny, "is_built", lambda path: True)
+    assert local_tiny.start_tiny_model_build(str(tmp_path)) is None
+    assert "already built" in capsys.readouterr().out and started == []
+    monkeypatch.setattr(tiny, "is_built", lambda path: False)
+    assert local_tiny.start_tiny_model_build(str(tmp_path)) == "proc"
+    assert started[0][1:] == ["-m", "serve_app.cli", "build-tiny-model", "--cache-dir", str(tmp_path)]
+
+
+def test_each_stage_of_run_says_its_time_and_the_total(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = load_app_config(CONFIG_FILES[0].parent / "local.yaml")
+    stack = LocalStack.from_config(cfg, None)
+    stack.stage_done("Ray started")
+    stack.stage_done("Ray Serve started")
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["[serve-app] Ray started",
+                                                     "[serve-app] Ray Serve started"]
+    assert all(line.endswith(" s)") and "(total " in line for line in lines)
