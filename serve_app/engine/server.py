@@ -33,7 +33,7 @@ from serve_app.engine.adapter import (
     validation_error,
 )
 from serve_app.engine.backend import Answer, Diagnostics
-from serve_app.engine.checks import check_request
+from serve_app.engine.checks import check_prepared, check_request
 from serve_app.engine.coalesce import Coalescer
 from serve_app.engine.slots import SlotGate
 from serve_app.engine.watchdog import EngineWatchdog
@@ -120,6 +120,7 @@ class EngineServer:
         try:
             check_request(body)
             request, wants_usage = self.adapter.prepare(endpoint, body)
+            check_prepared(request, lora=self.cfg.engine.enable_lora)
             overrides = self.adapter.overrides(ctx)
             overrides.apply(request)
             call = handler_for(serving, endpoint.handler, overrides)
