@@ -60,6 +60,28 @@ def check_request(body: dict[str, Any]) -> None:
             "top_logprobs, or set stream: true", param=field)
 
 
+def check_prepared(request: Any, *, lora: bool) -> None:
+    """Refuse what the engine would crash on once vLLM has read the body into ``request``.
+
+    With LoRA on (``engine.enable_lora``), vLLM's prompt log-probabilities use the step's sampling
+    LoRA mapping for every prompt token (vllm-project/vllm#16668, #29955): the engine dies on an
+    einsum shape error, every request on the replica with it, whichever model or adapter each
+    named. ``prompt_logprobs`` is asked for outright, or by ``echo`` with (top_)logprobs, which
+    chat sets to 0 by default."""
+    if not lora:
+        return
+    asked = getattr(request, "prompt_logprobs", None)
+    if asked is None and getattr(request, "echo", False):
+        # chat: top_logprobs (0 by default); completions: logprobs (None by default)
+        asked = getattr(request, "top_logprobs", getattr(request, "logprobs", None))
+    if asked is not None:
+        param = "prompt_logprobs" if getattr(request, "prompt_logprobs", None) is not None else "echo"
+        raise errors.InvalidRequest(
+            "prompt log-probabilities (prompt_logprobs, or echo with logprobs) are not available "
+            "on a model that serves LoRA adapters: vLLM cannot compute them with LoRA on",
+            param=param)
+
+
 def _int(value: Any, default: int = 0) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 

@@ -33,7 +33,7 @@ from serve_app.engine.adapter import (
     validation_error,
 )
 from serve_app.engine.backend import Answer, Diagnostics
-from serve_app.engine.checks import check_request
+from serve_app.engine.checks import check_prepared, check_request
 from serve_app.engine.coalesce import Coalescer
 from serve_app.engine.loras import RuntimeLoras
 from serve_app.engine.slots import SlotGate
@@ -137,6 +137,7 @@ class EngineServer:
             try:
                 check_request(body)
                 request, wants_usage = self.adapter.prepare(endpoint, body)
+                check_prepared(request, lora=self.cfg.engine.enable_lora)
                 overrides = self.adapter.overrides(ctx)
                 overrides.apply(request)
                 call = handler_for(serving, endpoint.handler, overrides)

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from openai import NotFoundError, OpenAI
+from openai import BadRequestError, NotFoundError, OpenAI
 
 from loadtests.bench.procs import direct_server_flags, start_direct
 from loadtests.harness.stack import (
@@ -137,6 +137,35 @@ def test_a_key_without_the_adapter_gets_the_404_of_an_unknown_model(stack: Stack
     assert answers[ADAPTER] == answers["tiny-chat-parrot"]
     listed = [m.id for m in client.models.list().data]
     assert ADAPTER not in listed and BASE in listed
+
+
+def test_prompt_logprobs_are_a_400_and_the_engine_lives(stack: Stack) -> None:
+    """With LoRA on, vLLM's engine dies on prompt log-probabilities (vllm#16668): the fuzz corpus
+    found it, a request of any key taking down every stream on the replica. The replica refuses
+    each way of asking, beside a base-model request in flight, and keeps answering."""
+    client = OpenAI(base_url=stack.base_url, api_key=stack.keys["all"], max_retries=0, timeout=120)
+    stream = client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=32, stream=True)
+    asks: list[tuple[str, dict[str, Any]]] = [
+        ("chat", {"extra_body": {"prompt_logprobs": 0}}),
+        ("chat", {"extra_body": {"echo": True}}),
+        ("completions", {"extra_body": {"prompt_logprobs": 1}}),
+        ("completions", {"echo": True, "logprobs": 0}),
+    ]
+    for endpoint, extra in asks:
+        for model in (BASE, ADAPTER):
+            with pytest.raises(BadRequestError) as info:
+                if endpoint == "chat":
+                    client.chat.completions.create(
+                        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, **extra)
+                else:
+                    client.completions.create(model=model, prompt="hi", max_tokens=2, **extra)
+            body = info.value.body
+            assert isinstance(body, dict) and body["param"] in ("prompt_logprobs", "echo"), body
+            assert "LoRA" in body["message"]
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert client.chat.completions.create(
+        model=ADAPTER, messages=[{"role": "user", "content": "hi"}], max_tokens=2).choices
 
 
 def _admin(stack: Stack) -> str:

@@ -69,3 +69,38 @@ def test_every_endpoints_max_token_field_counts_toward_the_answer_size() -> None
     check_request({**responses, "stream": True})
     # Chat's two names: the larger one (vLLM reads max_completion_tokens first) is named.
     assert refused({**CHAT, "max_completion_tokens": 20_000_000}).param == "max_completion_tokens"
+
+
+def _lora_refusal(request) -> errors.InvalidRequest | None:
+    from serve_app.engine.checks import check_prepared
+    try:
+        check_prepared(request, lora=True)
+    except errors.InvalidRequest as exc:
+        return exc
+    check_prepared(request, lora=False)  # without LoRA every one of these is the engine's to serve
+    return None
+
+
+def test_prompt_logprobs_are_refused_only_with_lora_on() -> None:
+    """vLLM's engine dies on prompt log-probabilities with LoRA on (vllm#16668): the replica
+    refuses each way of asking for them, in vLLM's own request models, and nothing else."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    asks = [ChatCompletionRequest(**chat, prompt_logprobs=0),
+            ChatCompletionRequest(**chat, echo=True),  # top_logprobs 0 by default: asks
+            ChatCompletionRequest(**chat, echo=True, logprobs=True, top_logprobs=2),
+            CompletionRequest(model="m", prompt="hi", prompt_logprobs=1),
+            CompletionRequest(model="m", prompt="hi", echo=True, logprobs=0)]
+    for request in asks:
+        refusal = _lora_refusal(request)
+        assert refusal is not None, request
+        assert refusal.param in ("prompt_logprobs", "echo") and "LoRA" in refusal.message
+    assert _lora_refusal(ChatCompletionRequest(**chat, prompt_logprobs=1)).param == "prompt_logprobs"
+    assert _lora_refusal(ChatCompletionRequest(**chat, echo=True)).param == "echo"
+    fine = [ChatCompletionRequest(**chat), ChatCompletionRequest(**chat, logprobs=True, top_logprobs=3),
+            CompletionRequest(model="m", prompt="hi", logprobs=2),
+            CompletionRequest(model="m", prompt="hi", echo=True)]  # echo without logprobs
+    for request in fine:
+        assert _lora_refusal(request) is None, request

@@ -212,6 +212,46 @@ def test_an_unreachable_replica_is_skipped_and_tried_last_for_a_while() -> None:
     _run(scenario())
 
 
+def test_a_replica_that_dies_between_accept_and_write_is_skipped(monkeypatch) -> None:
+    """Under uvloop (Ray Serve's loop), writing to a transport the dead replica closed raises
+    RuntimeError: the client got a 500 (CI, test_faults). Nothing was sent: try the next one."""
+    import uvloop
+
+    from serve_app.gateway.routing import direct
+
+    async def scenario() -> None:
+        model = Model(STREAM)
+        ep = await _endpoint(model)
+        dying = await _endpoint(Model([]))
+        real_open = asyncio.open_connection
+
+        async def open_connection(host: str, port: int, **kw: Any) -> Any:
+            reader, writer = await real_open(host, port, **kw)
+            if port == dying.port:  # accepted, then closed under the gateway's feet
+                writer.transport.abort()
+                await asyncio.sleep(0)
+            return reader, writer
+
+        monkeypatch.setattr(direct.asyncio, "open_connection", open_connection)
+        table = {"dying": ("127.0.0.1", dying.port), "live": ("127.0.0.1", ep.port)}
+        failures: list[str] = []
+        client = DirectClient("m", lambda: table, lambda: TOKEN, Picker(False),
+                              on_failure=failures.append)
+        client.picker.reported["live"] = 5  # the dying one looks better
+        try:
+            call = client.call("chat", {}, CTX)
+            assert (await call.__anext__())["status"] == 200
+            assert failures == ["m"] and "dying" in client.failed
+            await _read_all(call)
+            assert client.picker.in_flight == {} and len(model.calls) == 1
+        finally:
+            ep.close()
+            dying.close()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(asyncio.wait_for(scenario(), 20))
+
+
 def test_a_cut_connection_mid_stream_is_broken_not_an_end() -> None:
     async def scenario() -> None:
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -125,15 +125,17 @@ class DirectCall:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(host, port, limit=wire.MAX_FRAME_BYTES), CONNECT_TIMEOUT_S)
         except (OSError, TimeoutError) as exc:
-            logger.warning("model %s replica %s not reached at %s:%d: %s", client.model_id,
-                           replica, host, port, exc.__class__.__name__)
-            client.failed[replica] = time.monotonic()
-            if client.on_failure is not None:
-                client.on_failure(client.model_id)
-            return None
+            return self._unreached(replica, host, port, exc)
         self._reader, self._writer, self._replica = reader, writer, replica
         client.picker.sent(replica)
-        writer.write(payload)
+        try:
+            writer.write(payload)
+        except (OSError, RuntimeError) as exc:
+            # The replica died between accept and write: uvloop raises RuntimeError ("the handler
+            # is closed") on a closed transport. Nothing was sent, so nothing ran: try another.
+            self._hang_up()
+            self._reader = None
+            return self._unreached(replica, host, port, exc)
         kind, data = await self._frame()
         if kind == wire.REFUSED:
             self._hang_up()
@@ -144,6 +146,14 @@ class DirectCall:
             client.picker.report(replica, int(item.pop("load", 0)))
             client.failed.pop(replica, None)
         return item
+
+    def _unreached(self, replica: str, host: str, port: int, exc: BaseException) -> None:
+        client = self._client
+        logger.warning("model %s replica %s not reached at %s:%d: %s", client.model_id,
+                       replica, host, port, exc.__class__.__name__)
+        client.failed[replica] = time.monotonic()
+        if client.on_failure is not None:
+            client.on_failure(client.model_id)
 
     async def _next(self) -> Any:
         if self._ended:
