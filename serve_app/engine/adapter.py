@@ -155,15 +155,18 @@ class RequestAdapter:
         priority = ctx.priority if self.cfg.engine.scheduling_policy == "priority" else None
         return Overrides(priority, ctx.request_id, cache_salt(ctx.tenant))
 
-    def prepare(self, endpoint: Endpoint, body: dict[str, Any]) -> tuple[Any, bool]:
+    def prepare(self, endpoint: Endpoint, body: dict[str, Any],
+                runtime_adapter: str | None = None) -> tuple[Any, bool]:
         """vLLM's request object, and whether the client asked for the stream's usage chunk.
+        ``runtime_adapter``: the run-time adapter the request names, loaded in this engine.
 
         The gateway's priority, request id and cache salt are applied after validation, to the
         fields the request type has (``Overrides.apply``), so a client cannot set its own."""
         body = dict(body)
         # The gateway resolved aliases and routes; vLLM knows only the id and the adapters' names
-        # (an adapter's name makes vLLM's serving layer apply it: its LoRARequest).
-        if body.get("model") not in self.adapter_names:
+        # (an adapter's name makes vLLM's serving layer apply it: its LoRARequest), configured or
+        # added at run time.
+        if body.get("model") not in self.adapter_names and body.get("model") != runtime_adapter:
             body["model"] = self.cfg.id
         wants_usage = True
         if endpoint.stream_options:

@@ -136,7 +136,7 @@ class EngineServer:
             scope = RequestScope.open()
             try:
                 check_request(body)
-                request, wants_usage = self.adapter.prepare(endpoint, body)
+                request, wants_usage = self.adapter.prepare(endpoint, body, runtime_adapter=adapter)
                 check_prepared(request, lora=self.cfg.engine.enable_lora)
                 overrides = self.adapter.overrides(ctx)
                 overrides.apply(request)

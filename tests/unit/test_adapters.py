@@ -149,6 +149,14 @@ def test_vllm_request_keeps_an_adapters_name_and_resolves_the_rest(asked: str, s
     assert request.model == sent
 
 
+def test_a_run_time_adapters_name_reaches_vllm_only_when_the_replica_loaded_it() -> None:
+    adapter = RequestAdapter(model(**{k: v for k, v in chat().items() if k != "id"}, id="tiny-chat"))
+    body = {"model": "pirate-rt", "messages": [{"role": "user", "content": "hi"}]}
+    assert adapter.prepare(ENDPOINTS["chat"], body, runtime_adapter="pirate-rt")[0].model == "pirate-rt"
+    assert adapter.prepare(ENDPOINTS["chat"], body)[0].model == "tiny-chat"
+    assert adapter.prepare(ENDPOINTS["chat"], body, runtime_adapter="other")[0].model == "tiny-chat"
+
+
 # ---- routing, access and cards -------------------------------------------------------------------
 def _cfg() -> AppConfig:
     return app_config(chat(fallback="spare"), model_doc("spare"))
