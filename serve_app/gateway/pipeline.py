@@ -66,6 +66,7 @@ class Pipeline:
         ``affinity``: the request's affinity key when its caller knows it (a stored response's
         chain keeps its first turn's), else it is made from ``headers`` and ``body``; a LoRA
         adapter's requests always take the adapter's key (``adapter_affinity``)."""
+        await self.router.refresh_for(body.get("model"), key)
         route = self.router.resolve(body.get("model"), key)
         if route.task != endpoint.task:
             raise errors.InvalidRequest(

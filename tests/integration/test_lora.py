@@ -244,62 +244,65 @@ def test_an_adapter_added_at_run_time_answers_survives_a_replica_restart_and_lea
     def post(body: dict[str, Any]) -> httpx.Response:
         return httpx.post(f"{stack.root_url}/admin/v1/adapters", headers=admin, json=body, timeout=90)
 
-    # Bad input is refused with the reason, and nothing that serves is disturbed.
-    cfg = read_config(stack.config)
-    wide = tmp_path / "wide"
-    wide.mkdir()
-    src = builtin_adapter_path(ADAPTER, cfg.cache_dir)
-    for f in src.iterdir():
-        (wide / f.name).write_bytes(f.read_bytes())
-    doc = json.loads((wide / "adapter_config.json").read_text())
-    (wide / "adapter_config.json").write_text(json.dumps({**doc, "r": 16}))
-    for body, status, words in (
-            ({"name": name, "model": BASE, "source": str(tmp_path / "missing")}, 400, "adapter_config.json"),
-            ({"name": name, "model": BASE, "source": str(wide)}, 400, "max_lora_rank"),
-            ({"name": BASE, "model": BASE, "source": "builtin:tiny-chat-pirate"}, 409, "already"),
-            ({"name": name, "model": "minilm-embed", "source": "builtin:tiny-chat-pirate"}, 400, "LoRA")):
-        r = post(body)
-        assert r.status_code == status and words in r.json()["error"]["message"], r.text
-    with pytest.raises(NotFoundError):
-        client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    assert _greedy(client, BASE)[2] > 0
+    try:
+        # Bad input is refused with the reason, and nothing that serves is disturbed.
+        cfg = read_config(stack.config)
+        wide = tmp_path / "wide"
+        wide.mkdir()
+        src = builtin_adapter_path(ADAPTER, cfg.cache_dir)
+        for f in src.iterdir():
+            (wide / f.name).write_bytes(f.read_bytes())
+        doc = json.loads((wide / "adapter_config.json").read_text())
+        (wide / "adapter_config.json").write_text(json.dumps({**doc, "r": 16}))
+        for body, status, words in (
+                ({"name": name, "model": BASE, "source": str(tmp_path / "missing")}, 400, "adapter_config.json"),
+                ({"name": name, "model": BASE, "source": str(wide)}, 400, "max_lora_rank"),
+                ({"name": BASE, "model": BASE, "source": "builtin:tiny-chat-pirate"}, 409, "already"),
+                ({"name": name, "model": "minilm-embed", "source": "builtin:tiny-chat-pirate"}, 400, "LoRA")):
+            r = post(body)
+            assert r.status_code == status and words in r.json()["error"]["message"], r.text
+        with pytest.raises(NotFoundError):
+            client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert _greedy(client, BASE)[2] > 0
 
-    # Added: it answers within 10 s, as the configured adapter with the same weights does.
-    t0 = time.monotonic()
-    r = post({"name": name, "model": BASE, "source": "builtin:tiny-chat-pirate"})
-    assert r.status_code == 201, r.text
-    got = _greedy(client, name)
-    added_s = time.monotonic() - t0
-    print(f"\n[lora] run-time adapter answered {added_s:.1f} s after the POST began")
-    assert added_s < 10 and got[1] == pirate[1]
+        # Added: it answers within 10 s, as the configured adapter with the same weights does.
+        t0 = time.monotonic()
+        r = post({"name": name, "model": BASE, "source": "builtin:tiny-chat-pirate"})
+        assert r.status_code == 201, r.text
+        got = _greedy(client, name)
+        added_s = time.monotonic() - t0
+        print(f"\n[lora] run-time adapter answered {added_s:.1f} s after the POST began")
+        assert added_s < 10 and got[1] == pirate[1]
 
-    # A model replica restart: the new replica loads it on its first request (the record is in
-    # the state layer, not in the replica).
-    kill_and_replace(stack.proc.pid, "model-tiny-chat", timeout_s=300)
-    _until("tiny-chat answers after its restart", lambda: http_status(
-        f"{stack.base_url}/chat/completions", 60, {"Authorization": f"Bearer {secret}"},
-        {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}) == 200, 300)
-    assert _greedy(client, name)[1] == pirate[1]
+        # A model replica restart: the new replica loads it on its first request (the record is in
+        # the state layer, not in the replica).
+        kill_and_replace(stack.proc.pid, "model-tiny-chat", timeout_s=300)
+        _until("tiny-chat answers after its restart", lambda: http_status(
+            f"{stack.base_url}/chat/completions", 60, {"Authorization": f"Bearer {secret}"},
+            {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}) == 200, 300)
+        assert _greedy(client, name)[1] == pirate[1]
 
-    # Removed while a stream on it and one on the base model run: both finish whole; new calls
-    # get the 404 of a model that does not exist, on every gateway replica.
-    outs: list[dict[str, Any]] = [{}, {}]
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(_stream, client, m, o) for m, o in zip((name, BASE), outs, strict=True)]
-        time.sleep(1.0)
-        r = httpx.delete(f"{stack.root_url}/admin/v1/adapters/{name}", headers=admin, timeout=30)
-        assert r.status_code == 200, r.text
-        for f in futures:
-            f.result(timeout=300)
-    assert [o.get("tokens") for o in outs] == [400, 400], outs
+        # Removed while a stream on it and one on the base model run: both finish whole; new calls
+        # get the 404 of a model that does not exist, on every gateway replica.
+        outs: list[dict[str, Any]] = [{}, {}]
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(_stream, client, m, o) for m, o in zip((name, BASE), outs, strict=True)]
+            time.sleep(1.0)
+            r = httpx.delete(f"{stack.root_url}/admin/v1/adapters/{name}", headers=admin, timeout=30)
+            assert r.status_code == 200, r.text
+            for f in futures:
+                f.result(timeout=300)
+        assert [o.get("tokens") for o in outs] == [400, 400], outs
 
-    def refused() -> bool:
-        try:
-            client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=2)
-        except NotFoundError:
-            return True
-        return False
+        def refused() -> bool:
+            try:
+                client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=2)
+            except NotFoundError:
+                return True
+            return False
 
-    _until("every gateway replica refuses the removed adapter", lambda: all(refused() for _ in range(4)), 15)
-    assert name not in [m.id for m in client.models.list().data]
+        _until("every gateway replica refuses the removed adapter", lambda: all(refused() for _ in range(4)), 15)
+        assert name not in [m.id for m in client.models.list().data]
+    finally:  # whatever failed above, the adapter leaves: other tests list every model
+        httpx.delete(f"{stack.root_url}/admin/v1/adapters/{name}", headers=admin, timeout=30)

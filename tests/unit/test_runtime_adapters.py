@@ -322,3 +322,38 @@ def test_a_client_is_never_told_a_folder_only_the_admin_check_is(tmp_path: Path)
     assert isinstance(told, errors.InvalidRequest) and secret_path in str(told)
     client = asyncio.run(server._load_adapter({"name": "mine", "source": secret_path}))
     assert isinstance(client, errors.ServiceUnavailable) and "private" not in str(client)
+
+
+def test_an_adapter_added_through_another_gateway_replica_answers_here_at_once(gw: Admin) -> None:
+    """Added through replica A (its record in the shared store), asked for on replica B before B's
+    periodic refresh: B reads the store on the miss rather than answering 404 for up to 2 s."""
+    key = _key(gw, "k-miss", ["tiny-chat", "pirate-2", "pirate-nobody"])
+    runtime = gw.deps.router.runtime
+    assert runtime is not None
+    run(runtime.refresh(force=True))  # B's table is fresh, and the adapter is not in it
+    run(runtime.store.add("pirate-2", RuntimeAdapter("pirate-2", "tiny-chat",
+                                                     "builtin:tiny-chat-pirate").to_json()))
+    assert _chat(gw, key, "pirate-2").status_code == 200
+    _error(_chat(gw, key, "pirate-nobody"), 404, "model")  # a name nobody added stays a 404
+
+
+def test_a_burst_of_unknown_names_reads_the_store_once() -> None:
+    async def go() -> None:
+        store = MemoryAdapterStore()
+        table = RuntimeAdapters(store)
+        await table.refresh(force=True)
+        reads: list[int] = []
+        real_all = store.all
+
+        async def counted() -> Any:
+            reads.append(1)
+            return await real_all()
+
+        store.all = counted  # type: ignore[method-assign]
+        await store.add("late", RuntimeAdapter("late", "tiny-chat", "/srv/late").to_json())
+        await asyncio.gather(*(table.on_miss(f"name-{i % 3}") for i in range(20)), table.on_miss("late"))
+        assert len(reads) == 1 and table.get("late") is not None
+        await table.on_miss("late")  # known now: no read
+        assert len(reads) == 1
+
+    asyncio.run(go())

@@ -6,7 +6,8 @@ its base model and a source (a PEFT folder on the model's nodes, or a builtin). 
 to one tenant (``tenant``): then only that tenant's keys reach it, and every other key gets the
 404 of a model that does not exist. The records live in the state layer (``state.adapters``);
 ``RuntimeAdapters`` reads them all at start, every ``refresh_s`` and at once after this replica
-changes them, so an adapter added on one gateway replica answers on all of them within seconds.
+changes them, and when a key asks for a name it does not know (``on_miss``), so an adapter added
+through one gateway replica answers on every one as soon as the POST has answered.
 
 Model replicas never read the store: each request for a run-time adapter carries its name and
 source (``RequestContext.adapter``), and a replica that has not loaded it yet loads it before the
@@ -28,6 +29,9 @@ from serve_app.state.adapters import AdapterDocs
 
 logger = logging.getLogger("ray.serve")
 REFRESH_S = 2.0
+# A request that names an adapter this replica does not know yet reads the store again, at most this
+# often: the adapter was just added on another gateway replica (its POST answered 201 there).
+MISS_REFRESH_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class RuntimeAdapters:
         self._clock = clock
         self._table: dict[str, RuntimeAdapter] = {}
         self._read_at = float("-inf")
+        self._miss: asyncio.Future[None] | None = None
 
     def get(self, name: str) -> RuntimeAdapter | None:
         return self._table.get(name)
@@ -88,6 +93,26 @@ class RuntimeAdapters:
                 logger.warning("run-time adapter %r not read: %s", name, exc.__class__.__name__)
         self._table = table  # one assignment: readers see the old table or the new one
         self._read_at = self._clock()
+
+    async def on_miss(self, name: str) -> None:
+        """``name`` was asked for and is not in the table: read the store again, no sooner than
+        ``MISS_REFRESH_S`` after the last read (so a request may wait that long), and once for every
+        miss that comes meanwhile: unknown names cost at most one read per interval. A store that
+        does not answer leaves the table as it was."""
+        if name in self._table:
+            return
+        if self._miss is None or self._miss.done():
+            self._miss = asyncio.ensure_future(self._read_after_miss())
+        await asyncio.shield(self._miss)
+
+    async def _read_after_miss(self) -> None:
+        wait = MISS_REFRESH_S - (self._clock() - self._read_at)
+        if wait > 0:
+            await asyncio.sleep(wait)
+        try:
+            await self.refresh(force=True)
+        except Exception as exc:
+            logger.warning("run-time adapters not read on a miss: %s", exc.__class__.__name__)
 
     async def keep_fresh(self) -> None:
         """Refresh every ``refresh_s`` until cancelled (a replica's background task); a store that

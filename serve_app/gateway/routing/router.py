@@ -84,6 +84,14 @@ class Router:
             return key.allows(route.name)
         return key.allows(route.name) or key.allows(route.model_id)
 
+    async def refresh_for(self, name: Any, key: KeyRecord) -> None:
+        """Before ``resolve``: a name the key may use that is no configured model nor a known
+        run-time adapter makes the adapter table read the store again (``RuntimeAdapters.on_miss``):
+        it may have been added through another gateway replica a moment ago."""
+        if self.runtime is not None and isinstance(name, str) and name \
+                and name not in self._routes and key.allows(name):
+            await self.runtime.on_miss(name)
+
     def resolve(self, name: Any, key: KeyRecord) -> Route:
         if name is None:
             raise InvalidRequest("you must provide a model parameter", param="model")
