@@ -204,9 +204,14 @@ def fit(traces: Sequence[Trace], measured: Sequence[Mapping[str, float]],
     def residuals(x: Any) -> Any:
         return np.array(log_errors(profile_of(params(x)), traces, measured))
 
-    start = np.log([max(x0[k], 1e-15) for k in PARAMS])
-    best = least_squares(residuals, start, method="trf", bounds=(np.full(len(PARAMS), -40.0),
-                                                                  np.full(len(PARAMS), 0.0)))
+    base = np.log([max(x0[k], 1e-15) for k in PARAMS])
+    best = None
+    for shift in (0.0, -2.3, 2.3):  # x0, x0 / 10, x0 x 10: the best of three starts
+        found = least_squares(residuals, np.minimum(base + shift, -1e-3), method="trf",
+                              bounds=(np.full(len(PARAMS), -40.0), np.full(len(PARAMS), 0.0)))
+        if best is None or found.cost < best.cost:
+            best = found
+    assert best is not None
     p = params(best.x)
     return p, [math.exp(e) - 1 for e in log_errors(profile_of(p), traces, measured)]
 
