@@ -243,12 +243,14 @@ def real_side(ns: argparse.Namespace, args: dict[str, Any], cells: list[Cell], r
 def sim_side(ns: argparse.Namespace, config: Path, model_path: str, shape: dict[str, Any],
              cells: list[Cell], r: procs.Run, log: Path) -> dict[str, list[dict[str, Any]]]:
     port = harness.free_port()
-    argv = [*harness.CLI, "sim-engine", "--config", str(config), "--model", ns.model,
+    # At direct vLLM's niceness (procs.start_direct), so the load client is served first on both.
+    argv = ["nice", "-n", str(procs.RAY_WORKER_NICENESS), *harness.CLI, "sim-engine", "--config",
+            str(config), "--model", ns.model,
             "--profile", ns.profile, "--num-blocks", str(shape["num_blocks"]),
             "--block-size", str(shape["block_size"]),
             "--max-num-batched-tokens", str(shape["max_num_batched_tokens"]),
             "--host", "127.0.0.1", "--port", str(port)]
-    say(f"starting the simulated engine: {' '.join(argv[2:])}")
+    say(f"starting the simulated engine: {' '.join(argv[4:])}")
     proc = harness.spawn("simulated engine", argv, r.base.with_name(f"{r.base.name}.sim-engine.log"))
     try:
         url = f"http://127.0.0.1:{port}"
