@@ -83,3 +83,10 @@ bench-affinity: install
 .PHONY: bench-fleet
 bench-fleet: install
 	$(PY) -m loadtests.bench.fleet --results-dir docs/perf
+
+# The SIMULATED engine (cpu-tiny profile) against the real tiny-chat CPU engine, one live engine at
+# a time: c1, c16, c64, prefix hit and miss; real vs simulated TTFT p50, TPOT p50 and throughput per
+# cell, ±15 % marked (docs/perf/sim-validate-*; docs/PERFORMANCE.md).
+.PHONY: bench-sim-validate
+bench-sim-validate: install
+	$(PY) -m loadtests.bench.sim_validate --repeats 3 --results-dir docs/perf

@@ -62,6 +62,23 @@ def cmd_engine_args(ns: argparse.Namespace) -> int:
     return engine_args(ns.config, ns.model)
 
 
+def cmd_sim_engine(ns: argparse.Namespace) -> int:
+    from serve_app.engine.sim.http import serve, standalone_model
+    from serve_app.ops.configfile import load_config
+
+    cfg = load_config(ns.config)
+    try:
+        model = cfg.model(ns.model)
+    except KeyError:
+        print(f"error: {ns.config}: no model {ns.model!r} (have {[m.id for m in cfg.models]})",
+              file=sys.stderr)
+        return 2
+    engine = {k: v for k, v in (("block_size", ns.block_size),
+                                ("max_num_batched_tokens", ns.max_num_batched_tokens)) if v}
+    return serve(standalone_model(model, ns.profile, time_scale=ns.time_scale,
+                                  num_blocks=ns.num_blocks, engine=engine), ns.host, ns.port)
+
+
 def cmd_check_config(ns: argparse.Namespace) -> int:
     from serve_app.ops.configfile import check_config
 
@@ -161,6 +178,20 @@ def _add_model_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     ea.add_argument("--config", default=DEFAULT_CONFIG)
     ea.add_argument("--model", required=True, help="model id in the config")
     ea.set_defaults(func=cmd_engine_args)
+
+    se = sub.add_parser("sim-engine", help="serve one model's SIMULATED engine on its own (OpenAI "
+                                           "completions and chat, no gateway), to compare it with "
+                                           "plain vLLM")
+    se.add_argument("--config", default=DEFAULT_CONFIG)
+    se.add_argument("--model", required=True, help="model id in the config (its engine arguments)")
+    se.add_argument("--profile", required=True, help="step-time profile (serve_app/engine/sim/profiles.json)")
+    se.add_argument("--time-scale", type=float, default=1.0)
+    se.add_argument("--num-blocks", type=int, help="KV cache blocks (default: the schema's)")
+    se.add_argument("--block-size", type=int, help="tokens per KV block, if the config sets none")
+    se.add_argument("--max-num-batched-tokens", type=int, help="step token budget, if the config sets none")
+    se.add_argument("--host", default="127.0.0.1")
+    se.add_argument("--port", type=int, default=8100)
+    se.set_defaults(func=cmd_sim_engine)
 
     cc = sub.add_parser("check-config", help="validate Ray Serve config files against the schema")
     cc.add_argument("files", nargs="+")

@@ -20,6 +20,9 @@ class FakeClock:
         self.t += modelled_s
         await asyncio.sleep(0)
 
+    def idle(self) -> None:
+        return None
+
 
 class Steps:
     """Keeps every ``StepReport`` the engine sends."""

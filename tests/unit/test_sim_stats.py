@@ -66,3 +66,33 @@ def test_the_scaled_clock_runs_modelled_time_faster_and_owes_short_steps() -> No
     wall, modelled, owed = asyncio.run(main())
     assert 0.04 <= wall < 0.5 and owed < 0.01  # 100 x 5 ms modelled / 10 = 50 ms of wall
     assert modelled == pytest.approx(wall * 10, rel=0.01)
+
+
+def test_a_busy_engine_does_not_add_the_loop_s_own_time_to_its_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [0.0]
+    slept: list[float] = []
+
+    async def fake_sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    clock = ScaledClock(time_scale=1.0, quantum_s=0.001)
+    monkeypatch.setattr(clock, "_loop_time", lambda: now[0])
+    monkeypatch.setattr("serve_app.engine.sim.engine.asyncio.sleep", fake_sleep)
+
+    async def main() -> None:
+        clock.idle()
+        for _ in range(10):
+            await clock.sleep(0.01)
+            now[0] += 0.004  # 4 ms of Python between steps (completing, scheduling)
+
+    asyncio.run(main())
+    assert now[0] == pytest.approx(0.104)  # ten 10 ms steps back to back, not 140 ms
+    assert slept[1:] == pytest.approx([0.006] * 9)
+    clock.idle()
+    now[0] += 0.05  # idle: not credited to the next step
+    asyncio.run(clock.sleep(0.01))
+    assert slept[-1] == pytest.approx(0.01)
+    now[0] += 1.0  # an overloaded loop's long stall is dropped, not made up in a burst
+    asyncio.run(clock.sleep(0.01))
+    assert slept[-1] == pytest.approx(0.01)
