@@ -85,6 +85,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="wall seconds at the start of each phase left out of its figures")
     p.add_argument("--ramp", type=float, default=15.0,
                    help="wall seconds over which the users' first requests are spread")
+    p.add_argument("--queue-wait", type=float, default=None,
+                   help="the fair tier's max_queue_wait_s, modelled seconds (default: the config's, "
+                        "3 TTFT objectives)")
     p.add_argument("--saturation-requests", type=int, default=None,
                    help="the model's admission.saturation_requests (default: the config's)")
     p.add_argument("--backoff", type=float, default=1.0, help="wall seconds a user waits after a 429/503")
@@ -225,6 +228,8 @@ def edit_for(ns: argparse.Namespace) -> Any:
             m["admission"] = {**m.get("admission", {}), "saturation_requests": ns.saturation_requests}
         args["models"] = [m]
         args["routes"] = []
+        if ns.queue_wait is not None:
+            args["tiers"][ns.tier] = {**args["tiers"][ns.tier], "max_queue_wait_s": ns.queue_wait}
         args["tiers"] = scaled_tiers(args["tiers"], ns.time_scale)
     return edit
 
@@ -289,9 +294,12 @@ def markdown(doc: dict[str, Any]) -> str:
         f"K/9 = {doc['capacity'] / 9:.1f}); closed-loop streaming users, prompts of ~{p['prompt_tokens']} "
         f"tokens and replies of ~{p['max_tokens']} (each uniform 0.5x-1.5x); time scale {ts} "
         f"(modelled = wall x {ts}; every time below is modelled); {p['duration']:g} s wall per phase, "
-        f"the first {p['warmup']:g} s left out; {p['premium_users']} premium user(s) beside, in every phase.",
+        f"the first {p['warmup']:g} s left out; {p['premium_users']} premium user(s) beside, in every phase. "
+        f"Tier {p['tier']}: TTFT objective {doc['objectives_modelled_ms'][p['tier']]:g} ms, queue wait bound "
+        f"{doc['settings']['queue_wait_modelled_s']:g} s, shed at {doc['settings']['shed_at']:g} of "
+        f"saturation_requests {doc['settings']['saturation_requests']} (requests held, waiting included).",
         "",
-        "| Phase | Users (quiet each / noisy / premium) | Quiet TTFT p95 ms: worst key (solo) | worst / solo "
+        "| Phase | Users (quiet each / noisy / premium) | Quiet TTFT p95 ms: the key worst off (its solo) | worst / solo "
         "(≤ 1.5) | Quiet queue p95 ms | Noisy TTFT p95 ms | Jain throughput / goodput (≥ 0.9) | raw Jain "
         "| Output tok/s (modelled) | Rejected: tier / premium | Engine TTFT p50 / p95 ms | Gateway CPU "
         "s (cores) | Run s |",
@@ -300,8 +308,10 @@ def markdown(doc: dict[str, Any]) -> str:
     for ph in doc["phases"]:
         users = ph["users"]
         quiet = {k: v for k, v in ph["keys"].items() if k.startswith("quiet")}
-        worst_key = max(quiet, key=lambda k: quiet[k]["ttft_p95_ms"] or 0.0) if quiet else None
         v = ph.get("verdict") or {}
+        by_ratio = v.get("quiet_p95_vs_solo") or {}
+        worst_key = (max(by_ratio, key=lambda k: by_ratio[k]) if by_ratio
+                     else max(quiet, key=lambda k: quiet[k]["ttft_p95_ms"] or 0.0) if quiet else None)
         worst = (f"{quiet[worst_key]['ttft_p95_ms']:.0f} ({solo['keys'][worst_key]['ttft_p95_ms']:.0f})"
                  if worst_key else "-")
         qq = max((f["queue_p95_ms"] or 0.0) for f in quiet.values()) if quiet else 0.0
@@ -430,8 +440,11 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"{name}: {json.dumps({k: v for k, v in got.items() if k != 'keys'})}")
     finally:
         stack.stop(say=say)
+    settings = {"queue_wait_modelled_s": ns.queue_wait if ns.queue_wait is not None else tier.queue_wait_s,
+                "saturation_requests": ns.saturation_requests or model.admission.saturation_requests,
+                "shed_at": tier.shed_at, "reserved_slots": model.admission.reserved_slots}
     doc = {"command": run.command, "timestamp": run.stamp, "simulated": True, "scenario": "fairness",
-           "capacity": cap, "objectives_modelled_ms": objectives,
+           "capacity": cap, "objectives_modelled_ms": objectives, "settings": settings,
            "params": {k: v for k, v in vars(ns).items() if k not in ("results_dir", "config")},
            "phases": phases}
     procs.write_results(run.base, doc, markdown(doc))
