@@ -78,11 +78,14 @@ clean:
 bench-affinity: install
 	$(PY) -m loadtests.bench.affinity
 
-# SIMULATED fleet (issue 39): 8 simulated H100 replicas of Llama-3.1-8B per router, 64 agent
-# sessions of 30k-token prompts, the affinity router against the default (docs/perf/fleet-*).
+# SIMULATED fleet (issue 39), SCENARIO=affinity (default): 8 simulated H100 replicas of
+# Llama-3.1-8B per router, 64 agent sessions of 30k-token prompts, the affinity router against the
+# default (docs/perf/fleet-*); SCENARIO=fairness: a noisy key beside 8 quiet keys on 4 simulated
+# H100 replicas at 2x and 4x capacity (docs/perf/fleet-fairness-*); SCENARIO=all: both.
+SCENARIO ?= affinity
 .PHONY: bench-fleet
 bench-fleet: install
-	$(PY) -m loadtests.bench.fleet --results-dir docs/perf
+	$(PY) -m loadtests.bench.fleet --scenario $(SCENARIO) --results-dir docs/perf
 
 # The SIMULATED engine (cpu-tiny profile) against the real tiny-chat CPU engine, one live engine at
 # a time: c1, c16, c64, prefix hit and miss; real vs simulated TTFT p50, TPOT p50 and throughput per

@@ -1,5 +1,9 @@
 """Fleet scenarios on SIMULATED H100s (issue 39): the affinity router against the default router.
 
+``--scenario affinity`` (the default, described here), ``fairness`` (a noisy key beside 8 quiet
+keys: loadtests/bench/fleet_fairness.py, its own options) or ``all`` (each with its defaults; only
+``--results-dir`` and ``--seed`` are passed on).
+
 ``python -m loadtests.bench.fleet`` (``make bench-fleet``) starts one stack from
 configs/sim-fleet.yaml with two copies of ``sim-llama-8b`` (serve_app/engine/sim: vLLM's scheduler
 and prefix cache, step times fitted to aiconfigurator-core's H100 data for Llama-3.1-8B, no GPU,
@@ -305,7 +309,33 @@ def plot(doc: dict[str, Any], out: Path) -> Path:
     return out
 
 
+SCENARIOS = ("affinity", "fairness", "all")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``--scenario affinity`` (the default: this module's options), ``fairness``
+    (loadtests/bench/fleet_fairness.py and its options) or ``all`` (each with its defaults)."""
+    pick = argparse.ArgumentParser(add_help=False)
+    pick.add_argument("--scenario", choices=SCENARIOS, default="affinity")
+    chosen, rest = pick.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if chosen.scenario == "fairness":
+        from loadtests.bench import fleet_fairness
+
+        return fleet_fairness.main(rest)
+    if chosen.scenario == "all":
+        from loadtests.bench import fleet_fairness
+
+        both = argparse.ArgumentParser(prog="python -m loadtests.bench.fleet --scenario all")
+        both.add_argument("--results-dir")
+        both.add_argument("--seed")
+        got = both.parse_args(rest)  # each scenario with its own defaults, only these shared
+        common = [a for k, v in vars(got).items() if v is not None
+                  for a in (f"--{k.replace('_', '-')}", v)]
+        return max(affinity_main(common), fleet_fairness.main(common))
+    return affinity_main(rest)
+
+
+def affinity_main(argv: list[str]) -> int:
     ns = parse_args(argv)
     run = procs.new_run("fleet", "loadtests.bench.fleet", ns.config, ns.results_dir, argv)
     workdir = Path(tempfile.mkdtemp(prefix="serve-app-fleet-"))

@@ -71,6 +71,7 @@ class Load:
     backoff_s: float
     stop_at: float  # time.monotonic()
     seed: int
+    ramp_s: float = 0.0  # each user's first request waits a random share of this (0: all at once)
 
 
 def refusal_reason(body: bytes) -> str:
@@ -135,6 +136,8 @@ async def _share(load: Load, share: Sequence[tuple[Users, int]]) -> list[Sample]
 
     async def user(session: aiohttp.ClientSession, u: Users, i: int) -> None:
         rng = random.Random(load.seed * 7919 + i)
+        if load.ramp_s > 0:  # users that start together finish in waves; spread their starts
+            await asyncio.sleep(rng.uniform(0.0, load.ramp_s))
         while time.monotonic() < load.stop_at:
             t = time.monotonic()
             try:
@@ -174,11 +177,12 @@ class LoadGen:
             list(self._pool.map(_ready, range(workers)))  # started and imported before any clock runs
 
     def run(self, base_url: str, model: str, groups: Sequence[Users], duration_s: float,
-            prompts: Sequence[Prompt], max_tokens: int, backoff_s: float, seed: int = 0) -> list[Sample]:
+            prompts: Sequence[Prompt], max_tokens: int, backoff_s: float, seed: int = 0,
+            ramp_s: float = 0.0) -> list[Sample]:
         """Every user of ``groups`` in a closed loop for ``duration_s``; the requests still running
         then are read to their end (bounded) and counted."""
         load = Load(base_url, model, tuple(prompts), max_tokens, backoff_s,
-                    time.monotonic() + duration_s, seed)
+                    time.monotonic() + duration_s, seed, ramp_s)
         shares = deal(groups, self.workers)
         if self._pool is None:
             return [s for share in shares for s in run_share(load, share)]
