@@ -113,10 +113,12 @@ def cells_of(ns: argparse.Namespace) -> list[Cell]:
     return out
 
 
-def token_prompts(cell: Cell, vocab_size: int, seed: int) -> list[list[int]]:
+def token_prompts(cell: Cell, vocab_size: int, seed: int, repeat: int = 0) -> list[list[int]]:
     """The cell's prompts as token ids: a shared prefix (``prefix_len``), then each prompt's own
-    ``input_len`` ids, drawn from the vocabulary's ordinary ids with a seed of the cell's."""
-    rng = random.Random(f"{seed}-{cell.name}")
+    ``input_len`` ids, drawn from the vocabulary's ordinary ids with a seed of the cell's and the
+    repeat's: a repeat must not find the previous one's prompts in the engine's prefix cache (the
+    prefix-miss cell would be a hit from its second run on)."""
+    rng = random.Random(f"{seed}-{cell.name}" + (f"-r{repeat}" if repeat else ""))
     low = min(FIRST_ID, vocab_size - 1)
 
     def draw(n: int) -> list[int]:
@@ -137,7 +139,7 @@ def run_cell(ns: argparse.Namespace, side: str, url: str, model_id: str, model_p
     def samples(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
         return [SampleRequest(prompt=ids, prompt_len=len(ids), expected_output_len=cell.output_len,
                               request_id=f"{args.request_id_prefix}{i}")
-                for i, ids in enumerate(token_prompts(cell, int(tokenizer.vocab_size), ns.seed))]
+                for i, ids in enumerate(token_prompts(cell, int(tokenizer.vocab_size), ns.seed, repeat))]
 
     argv = ["--backend", ns.backend, "--base-url", url, "--endpoint", "/v1/completions",
             "--model", model_id, "--tokenizer", model_path, "--dataset-name", "random",

@@ -41,6 +41,8 @@ def test_prompts_are_seeded_token_ids_sharing_only_the_hit_cell_s_prefix() -> No
     hit, miss = sv.cells_of(ns(prefix_len=64, input_len=8))[3:]
     a = sv.token_prompts(hit, 588, seed=0)
     assert a == sv.token_prompts(hit, 588, seed=0) and a != sv.token_prompts(hit, 588, seed=1)
+    again = sv.token_prompts(hit, 588, seed=0, repeat=1)  # a repeat shares no prompt with the first run
+    assert not {tuple(p) for p in again} & {tuple(p) for p in a}
     assert all(len(p) == 72 and p[:64] == a[0][:64] for p in a)
     assert len({tuple(p[64:]) for p in a}) == len(a)
     b = sv.token_prompts(miss, 588, seed=0)
