@@ -1,8 +1,8 @@
 """Many LoRA adapters over two replicas: adapter-aware routing against power of two choices.
 
 ``python -m loadtests.bench.lora_routing`` (``make bench-lora``, issue 41) builds 16 distinct tiny
-LoRA adapters for ``tiny-chat`` (``serve_app.engine.tiny_lora`` with seeds ``SEED + 1`` ...; the
-same recipe as the builtin ``tiny-chat-pirate``) into a temporary folder, and starts one stack with
+LoRA adapters for ``tiny-chat`` (``serve-app build-tiny-lora``: seeds after the builtin
+``tiny-chat-pirate``'s, the same recipe) into a temporary folder, and starts one stack with
 two copies of ``tiny-chat``, each with two replicas and the 16 adapters under names of its own,
 ``engine.max_loras`` 4 (and ``max_cpu_loras`` 4, vLLM's default: an adapter that leaves the CPU
 cache is read from disk again):
@@ -41,6 +41,7 @@ import json
 import math
 import random
 import re
+import subprocess
 import sys
 import tempfile
 import threading
@@ -61,6 +62,7 @@ AWARE, DEFAULT = "tiny-chat", "tiny-chat-default"
 MODELS = (AWARE, DEFAULT)
 LABELS = {AWARE: "adapter-aware (affinity router)", DEFAULT: "default (power of two choices)"}
 TIER = "bench-unlimited"
+BUILTIN_SEED = 4321  # tiny-chat-pirate's (serve_app/engine/tiny_lora.py); the bench's adapters follow it
 # The issue's targets: adapter-aware over default.
 TARGET_TTFT_P50 = 0.6
 TARGET_LOADS = 0.25
@@ -83,11 +85,16 @@ def adapter_names(model: str, n: int) -> list[str]:
 
 
 def build_adapters(folder: Path, n: int) -> list[Path]:
-    """``n`` distinct tiny LoRAs for tiny-chat (seeds after the builtin's), built once."""
-    from serve_app.engine import tiny_lora
-
-    return [tiny_lora.build_tiny_lora(folder / f"lora-{i:02d}", seed=tiny_lora.SEED + 1 + i)
-            for i in range(n)]
+    """``n`` distinct tiny LoRAs for tiny-chat, by the public ``serve-app build-tiny-lora`` (seeds
+    after the builtin adapter's, 4321)."""
+    argv = [*harness.CLI, "build-tiny-lora", "--out", str(folder), "--count", str(n),
+            "--seed", str(BUILTIN_SEED + 1)]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    paths = [Path(line) for line in done.stdout.split()]
+    if done.returncode != 0 or len(paths) != n:
+        raise SystemExit(f"serve-app build-tiny-lora failed ({done.returncode}): "
+                         f"{(done.stderr or done.stdout).strip()[-2000:]}")
+    return paths
 
 
 def zipf_weights(n: int, s: float) -> list[float]:
