@@ -78,6 +78,13 @@ clean:
 bench-affinity: install
 	$(PY) -m loadtests.bench.affinity
 
+# 16 LoRA adapters of tiny-chat over 2 replicas (max_loras 4, Zipf popularity), real CPU engines:
+# adapter-aware routing against Ray Serve's default router in one run: TTFT p50/p95, adapter loads
+# per 1,000 requests, output tokens/s (issue 41; docs/perf/lora-routing-*).
+.PHONY: bench-lora
+bench-lora: install
+	$(PY) -m loadtests.bench.lora_routing --results-dir docs/perf
+
 # SIMULATED fleet (issue 39), SCENARIO=affinity (default): 8 simulated H100 replicas of
 # Llama-3.1-8B per router, 64 agent sessions of 30k-token prompts, the affinity router against the
 # default (docs/perf/fleet-*); SCENARIO=fairness: a noisy key beside 8 quiet keys on 4 simulated

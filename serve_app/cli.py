@@ -56,6 +56,20 @@ def cmd_build_tiny_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_build_tiny_lora(ns: argparse.Namespace) -> int:
+    """``count`` tiny LoRAs for tiny-chat (seeds ``seed``, ``seed + 1`` ...) into ``out/lora-NN``;
+    each folder's path on a line. The builtin adapter is the default seed's; other seeds make other
+    adapters of the same recipe (``make bench-lora`` builds 16)."""
+    from pathlib import Path
+
+    from serve_app.engine.tiny_lora import build_tiny_lora
+
+    out = Path(ns.out).expanduser()
+    for i in range(ns.count):
+        print(build_tiny_lora(out / f"lora-{i:02d}", seed=ns.seed + i, force=ns.force), flush=True)
+    return 0
+
+
 def cmd_engine_args(ns: argparse.Namespace) -> int:
     from serve_app.ops.configfile import engine_args
 
@@ -172,6 +186,14 @@ def _add_model_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     bt.add_argument("--cache-dir", default="~/.cache/serve-app")
     bt.add_argument("--force", action="store_true")
     bt.set_defaults(func=cmd_build_tiny_model)
+
+    bl = sub.add_parser("build-tiny-lora", help="build tiny LoRA adapters for tiny-chat into a folder "
+                                               "(seeded, no download; one per seed)")
+    bl.add_argument("--out", required=True, help="folder; adapter i goes to <out>/lora-<i, 2 digits>")
+    bl.add_argument("--count", type=int, default=1)
+    bl.add_argument("--seed", type=int, default=4321, help="the first adapter's seed (4321: the builtin's)")
+    bl.add_argument("--force", action="store_true")
+    bl.set_defaults(func=cmd_build_tiny_lora)
 
     ea = sub.add_parser("engine-args", help="print the vLLM engine arguments of one model as JSON "
                                             "(model_path, engine_kwargs, frontend, env)")

@@ -110,6 +110,19 @@ def test_builtin_adapter_is_a_deterministic_peft_folder(tmp_path: Path) -> None:
     assert tiny_lora.is_built(a) and tiny_lora.build_tiny_lora(a) == a  # cached, not rebuilt
 
 
+def test_a_seed_makes_another_adapter_of_the_same_recipe(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    a = tiny_lora.build_tiny_lora(tmp_path / "a", seed=tiny_lora.SEED + 1)
+    b = tiny_lora.build_tiny_lora(tmp_path / "b", seed=tiny_lora.SEED + 2)
+    wa, wb = load_file(str(a / "adapter_model.safetensors")), load_file(str(b / "adapter_model.safetensors"))
+    assert sorted(wa) == sorted(wb) and not all(bool((wa[k] == wb[k]).all()) for k in wa)
+    assert tiny_lora.is_built(a, tiny_lora.SEED + 1) and not tiny_lora.is_built(a)  # not the builtin
+    mtime = (a / "adapter_model.safetensors").stat().st_mtime_ns
+    assert tiny_lora.build_tiny_lora(a, seed=tiny_lora.SEED + 1) == a  # cached, not rebuilt
+    assert (a / "adapter_model.safetensors").stat().st_mtime_ns == mtime
+
+
 def _peft_folder(path: Path, rank: int) -> Path:
     path.mkdir()
     (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank}))

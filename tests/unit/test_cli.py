@@ -256,3 +256,12 @@ def test_each_stage_of_run_says_its_time_and_the_total(capsys: pytest.CaptureFix
     assert [line.split(":")[0] for line in lines] == ["[serve-app] Ray started",
                                                      "[serve-app] Ray Serve started"]
     assert all(line.endswith(" s)") and "(total " in line for line in lines)
+
+
+def test_build_tiny_lora_builds_one_adapter_per_seed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from serve_app.engine import tiny_lora
+
+    assert main(["build-tiny-lora", "--out", str(tmp_path), "--count", "2", "--seed", "7"]) == 0
+    paths = capsys.readouterr().out.split()
+    assert paths == [str((tmp_path / "lora-00").resolve()), str((tmp_path / "lora-01").resolve())]
+    assert tiny_lora.is_built(Path(paths[0]), 7) and tiny_lora.is_built(Path(paths[1]), 8)
