@@ -134,8 +134,18 @@ def test_sdk_session_turns_land_on_one_replica(two_replicas: Stack) -> None:
         details = answer.usage.prompt_tokens_details if answer.usage else None
         cached.append(details.cached_tokens if details and details.cached_tokens else 0)
     per_replica = _settled(stack, before, turns)
-    decisions = {k[1]: v - before.get(k, 0.0) for k, v in _counts(stack).items()
-                 if k[0] == "ray_serve_app_routing_decisions_total"}
+
+    def decided() -> dict[str, float]:
+        return {k[1]: v - before.get(k, 0.0) for k, v in _counts(stack).items()
+                if k[0] == "ray_serve_app_routing_decisions_total"}
+
+    # The gateway's counters reach Ray's export on their own schedule, apart from the engines'
+    # (CI once read none at all here, every turn already on one replica): wait for all of them.
+    deadline = time.monotonic() + 60
+    decisions = decided()
+    while sum(decisions.values()) < turns and time.monotonic() < deadline:
+        time.sleep(2)
+        decisions = decided()
     print(f"\n[sdk] per replica {per_replica}; cached tokens {cached}; decisions {decisions}")
     assert list(per_replica.values()) == [turns], per_replica  # every turn on one replica
     assert all(c > 0 for c in cached[1:]), cached  # so every later turn hits the prefix cache
