@@ -197,20 +197,17 @@ def tokens_of(client: httpx.Client, root: str, key: str, text: str) -> int:
     return int(r.json()["count"])
 
 
-def one_turn(client: httpx.Client, base_url: str, model: str, s: Session, user: str,
-             max_tokens: int) -> dict[str, Any]:
-    """One streamed agent turn; the reply joins the session's history."""
-    messages = [{"role": "system", "content": s.system}, *s.messages, {"role": "user", "content": user}]
-    body = {"model": model, "max_tokens": max_tokens, "stream": True, "temperature": 0,
-            "stream_options": {"include_usage": True}, "messages": messages}
-    headers = {"Authorization": f"Bearer {s.key}", "X-Claude-Code-Session-Id": s.sid}
+def stream_chat(client: httpx.Client, base_url: str, body: dict[str, Any],
+                headers: dict[str, str]) -> tuple[float, str, dict[str, Any]]:
+    """One streamed chat completion: the TTFT in ms (to the first content; nan without one), the
+    text, and the usage chunk (empty without one). A status other than 200 raises."""
     t0 = time.monotonic()
-    ttft = None
+    ttft = float("nan")
     text: list[str] = []
     usage: dict[str, Any] = {}
     with client.stream("POST", f"{base_url}/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
-            raise RuntimeError(f"{model}: HTTP {r.status_code}: {r.read()[:300]!r}")
+            raise RuntimeError(f"{body.get('model')}: HTTP {r.status_code}: {r.read()[:300]!r}")
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -218,15 +215,26 @@ def one_turn(client: httpx.Client, base_url: str, model: str, s: Session, user: 
             for choice in doc.get("choices") or []:
                 delta = (choice.get("delta") or {}).get("content")
                 if delta:
-                    if ttft is None:
+                    if not text:
                         ttft = (time.monotonic() - t0) * 1000.0
                     text.append(delta)
             if doc.get("usage"):
                 usage = doc["usage"]
-    s.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": "".join(text)}]
+    return ttft, "".join(text), usage
+
+
+def one_turn(client: httpx.Client, base_url: str, model: str, s: Session, user: str,
+             max_tokens: int) -> dict[str, Any]:
+    """One streamed agent turn; the reply joins the session's history."""
+    messages = [{"role": "system", "content": s.system}, *s.messages, {"role": "user", "content": user}]
+    body = {"model": model, "max_tokens": max_tokens, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}, "messages": messages}
+    headers = {"Authorization": f"Bearer {s.key}", "X-Claude-Code-Session-Id": s.sid}
+    ttft, text, usage = stream_chat(client, base_url, body, headers)
+    s.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
     s.turn += 1
     details = usage.get("prompt_tokens_details") or {}
-    return {"tenant": s.tenant, "turn": s.turn, "ttft_ms": ttft if ttft is not None else float("nan"),
+    return {"tenant": s.tenant, "turn": s.turn, "ttft_ms": ttft,
             "prompt_tokens": int(usage.get("prompt_tokens") or 0),
             "cached_tokens": int(details.get("cached_tokens") or 0)}
 

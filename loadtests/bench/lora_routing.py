@@ -219,23 +219,8 @@ def one_request(client: httpx.Client, base_url: str, key: str, model: str, promp
     body = {"model": model, "max_tokens": max_tokens, "stream": True, "temperature": 0,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": prompt}]}
-    t0 = time.monotonic()
-    ttft = math.nan
-    tokens = 0
-    with client.stream("POST", f"{base_url}/chat/completions", json=body,
-                       headers={"Authorization": f"Bearer {key}"}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{model}: HTTP {r.status_code}: {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            doc = json.loads(line[6:])
-            for choice in doc.get("choices") or []:
-                if (choice.get("delta") or {}).get("content") and math.isnan(ttft):
-                    ttft = (time.monotonic() - t0) * 1000.0
-            if doc.get("usage"):
-                tokens = int(doc["usage"].get("completion_tokens") or 0)
-    return ttft, tokens
+    ttft, _, usage = affinity.stream_chat(client, base_url, body, {"Authorization": f"Bearer {key}"})
+    return ttft, int(usage.get("completion_tokens") or 0)
 
 
 def run_load(base_url: str, key: str, model: str, ns: argparse.Namespace, prompt_words: int,

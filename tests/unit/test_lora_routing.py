@@ -176,3 +176,28 @@ def test_parse_args_defaults_match_the_issue() -> None:
     ns = lr.parse_args([])
     assert (ns.adapters, ns.replicas, ns.max_loras, ns.zipf_s) == (16, 2, 4, 1.1)
     assert isinstance(ns, argparse.Namespace) and ns.users * ns.duration <= 8 * 90
+
+
+def test_a_streamed_answer_gives_ttft_text_and_usage() -> None:
+    """loadtests.bench.affinity.stream_chat, the reader both benches use, over a canned stream."""
+    import httpx
+
+    from loadtests.bench.affinity import stream_chat
+
+    events = [{"choices": [{"delta": {"role": "assistant"}}]},
+              {"choices": [{"delta": {"content": "Ahoy"}}]},
+              {"choices": [{"delta": {"content": " there"}}]},
+              {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}]
+    sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=sse) if request.headers["authorization"] == "Bearer k" \
+            else httpx.Response(401, text="no")
+
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client:
+        ttft, text, usage = stream_chat(client, "http://x/v1", {"model": "m"}, {"Authorization": "Bearer k"})
+        assert ttft >= 0 and text == "Ahoy there" and usage["completion_tokens"] == 2
+        ttft, tokens = lr.one_request(client, "http://x/v1", "k", "m", "hi", 4)
+        assert ttft >= 0 and tokens == 2
+        with pytest.raises(RuntimeError, match="m: HTTP 401"):
+            stream_chat(client, "http://x/v1", {"model": "m"}, {"Authorization": "Bearer nope"})
