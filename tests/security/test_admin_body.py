@@ -70,7 +70,8 @@ def admin(tmp_path: Path) -> Admin:
 
 
 @pytest.mark.parametrize(("method", "path"), [("POST", "/admin/v1/keys"),
-                                              ("PATCH", "/admin/v1/keys/root")])
+                                              ("PATCH", "/admin/v1/keys/root"),
+                                              ("POST", "/admin/v1/adapters")])
 @pytest.mark.parametrize("declare_length", [True, False])
 def test_no_key_40_mb_body_is_refused_401_before_reading_it(
     admin: Admin, method: str, path: str, declare_length: bool,
@@ -87,17 +88,19 @@ def test_no_key_and_broken_json_is_401_not_400(admin: Admin) -> None:
     assert status == 401 and answer["error"]["code"] == "invalid_api_key"
 
 
-def test_a_client_key_is_403_before_its_body_is_read(admin: Admin) -> None:
+@pytest.mark.parametrize("path", ["/admin/v1/keys", "/admin/v1/adapters"])
+def test_a_client_key_is_403_before_its_body_is_read(admin: Admin, path: str) -> None:
     client = run(KeyOps(admin.deps.keys).create("team", tier="standard")).secret
-    status, answer, read = call(build_api(admin.deps), "POST", "/admin/v1/keys", 8 * MIB, key=client)
+    status, answer, read = call(build_api(admin.deps), "POST", path, 8 * MIB, key=client)
     assert status == 403 and read == 0
 
 
+@pytest.mark.parametrize("path", ["/admin/v1/keys", "/admin/v1/adapters"])
 @pytest.mark.parametrize("declare_length", [True, False])
 def test_an_admin_body_over_the_cap_is_413_after_at_most_the_cap(
-    admin: Admin, declare_length: bool,
+    admin: Admin, declare_length: bool, path: str,
 ) -> None:
-    status, answer, read = call(build_api(admin.deps), "POST", "/admin/v1/keys", 40 * MIB,
+    status, answer, read = call(build_api(admin.deps), "POST", path, 40 * MIB,
                                 key=admin.admin, declare_length=declare_length)
     assert status == 413 and answer["error"]["code"] == "request_too_large"
     assert read <= ADMIN_BODY_LIMIT + CHUNK
